@@ -1,0 +1,26 @@
+"""piecewise_backend: a torch.compile backend that splits at attention, compiles each piece with
+Inductor, and captures each compiled piece lazily as one CUDA graph per shape.
+
+    torch.compile(model, backend="piecewise", options={...})
+
+The name is found through the ``torch_dynamo_backends`` entry point once the package is installed;
+``backend=piecewise_backend.piecewise`` works too.
+"""
+
+from .backend import CompiledGraph, compiled_graphs, piecewise
+from .config import PiecewiseConfig
+from .op_names import DEFAULT_SPLITTING_OPS
+from .stats import GraphStats, PieceStats, process_stats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "piecewise",
+    "PiecewiseConfig",
+    "CompiledGraph",
+    "compiled_graphs",
+    "process_stats",
+    "GraphStats",
+    "PieceStats",
+    "DEFAULT_SPLITTING_OPS",
+]

@@ -1,0 +1,74 @@
+"""Every private torch API this package touches, in one place.
+
+Checked against torch 2.11.0 (the GPU machine), 2.13.0 and 2.14.1. If a torch upgrade breaks the
+backend, this file is where to look first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.fx
+
+
+def detect_fake_mode(example_inputs: Sequence[Any]):
+    """Dynamo's FakeTensorMode for this compile (from the tracing context, else the inputs)."""
+    from torch._guards import detect_fake_mode as _detect
+
+    return _detect(example_inputs)
+
+
+def fakify_inputs(example_inputs: Sequence[Any], fake_mode) -> list:
+    """Fake versions of the backend's example inputs, carrying Dynamo's symbols.
+
+    Dynamo hands a backend a *fresh* FakeTensorMode that shares its ShapeEnv (the fakes in
+    ``node.meta`` belong to the old one). ``from_tensor`` finds each input's symbolic context in the
+    tracing context, so the new fakes have the same symbols (``s0`` for the batch) as the graph.
+    """
+    return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+
+
+def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> Callable[..., Any]:
+    """Compile one piece with Inductor, dynamic in the symbols its fake inputs carry.
+
+    A fresh TracingContext around Dynamo's fake mode (what ``torch._inductor.standalone_compile``
+    does with ``dynamic_shapes="from_tracing_context"``, whose signature differs across 2.11-2.14):
+    each piece's AOTAutograd metadata stays out of Dynamo's own context, while the ShapeEnv, and so
+    the guards Inductor adds, stays shared with Dynamo.
+    """
+    from torch._inductor.compile_fx import compile_fx
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+        compiled = compile_fx(gm, fake_args)
+    # compile_fx on a GraphModule returns AOTAutograd's ``forward(*args)``, which copies the
+    # ``_boxed_call`` flag of what it wraps without being boxed itself (see the "deeply wrong"
+    # comment in torch/_functorch/aot_autograd.py): call it with positional args.
+    return compiled
+
+
+def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep that memory allocated (a weak reference).
+
+    Captured outputs live in the shared graph pool; holding them strongly would stop later
+    captures (other pieces, other sizes) from reusing that memory. vLLM uses a C++ op for this;
+    cudagraph_trees uses these two private constructors, and so do we.
+    """
+    storage = t.untyped_storage()
+    meta = {
+        "nbytes": storage.nbytes(),
+        "data_ptr": storage.data_ptr(),
+        "size": t.shape,
+        "stride": t.stride(),
+        "dtype": t.dtype,
+        "device": t.device,
+        "storage_offset": t.storage_offset(),
+    }
+    weak_storage = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, weak_storage)
+
+
+def is_static_input(node: torch.fx.Node) -> bool:
+    """Did Dynamo mark this graph input as a parameter/buffer with a fixed address?"""
+    return "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})

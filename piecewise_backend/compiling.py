@@ -1,0 +1,135 @@
+"""Compile each compute piece with Inductor, once per *distinct* piece.
+
+The example inputs of each piece come from running the split graph under Dynamo's fake mode, so
+they carry Dynamo's symbols (``s0`` for the batch size) and Inductor compiles each piece dynamic in
+exactly the symbols it receives.
+
+The middle layers of a transformer produce pieces that differ only in which weights they read.
+Because Dynamo lifts weights to graph inputs, those pieces have the same code up to placeholder
+names; :func:`structural_key` ignores the names, so layer 2..N-1 reuse layer 1's compiled code
+(vLLM sees 3 distinct compiles for a 16-layer Llama: first, middle, last; so do we).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from . import _torch_internals
+from .graph_facts import value_symbols
+
+
+@dataclasses.dataclass
+class CompiledPiece:
+    fn: Callable[..., Any]
+    fake_args: list
+    structural_key: str
+    shared_with: str  # name of the first piece compiled with this code (itself if it was first)
+
+
+def _describe_value(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return (f"T[{v.dtype},{v.device.type},{tuple(map(str, v.shape))},"
+                f"{tuple(map(str, v.stride()))},rg={v.requires_grad}]")
+    if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return f"S[{v.node.expr}]"
+    return f"C[{v!r}]"
+
+
+def _describe_target(target) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or repr(target)
+    return f"{module}.{name}" if module else str(name)
+
+
+def structural_key(gm: torch.fx.GraphModule, fake_args: list) -> str:
+    """A hash of the piece's code and input metadata that ignores node names."""
+    index: dict = {}
+    lines = []
+    placeholder_i = 0
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        if node.op == "placeholder":
+            lines.append(f"ph {_describe_value(fake_args[placeholder_i])}")
+            placeholder_i += 1
+            continue
+        if node.op == "get_attr":  # module state inside the piece: never share
+            lines.append(f"attr {id(gm)} {node.target}")
+            continue
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: f"%{index[n]}")
+        lines.append(f"{node.op} {_describe_target(node.target)} {args!r}")
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+def _sanitize_fake_arg(value, step_symbols: frozenset, fake_mode):
+    """A fake input with a per-step storage offset (``cos[pos:pos+S]``) becomes offset 0.
+
+    The compiled code reads the tensor through its data pointer, so the offset does not matter to
+    it; keeping the symbolic offset would make the piece depend on ``pos``.
+    """
+    if isinstance(value, torch.Tensor) and value_symbols(value.storage_offset()) & step_symbols:
+        with fake_mode:
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
+                                       requires_grad=value.requires_grad)
+    return value
+
+
+class PieceCompiler:
+    """Compiles pieces, reusing the compiled code of structurally identical ones."""
+
+    def __init__(self, fake_mode, step_symbols: frozenset):
+        self.fake_mode = fake_mode
+        self.step_symbols = step_symbols
+        self._by_key: dict[str, tuple[Callable, str]] = {}
+        self.inductor_compiles = 0
+        self.inductor_seconds = 0.0
+
+    def compile(self, name: str, gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
+        fake_args = [_sanitize_fake_arg(a, self.step_symbols, self.fake_mode) for a in fake_args]
+        key = structural_key(gm, fake_args)
+        if key in self._by_key:
+            fn, first = self._by_key[key]
+            return CompiledPiece(fn, fake_args, key, first)
+        start = time.perf_counter()
+        fn = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
+        self.inductor_seconds += time.perf_counter() - start
+        self.inductor_compiles += 1
+        self._by_key[key] = (fn, name)
+        return CompiledPiece(fn, fake_args, key, name)
+
+
+class _FakeRun(torch.fx.Interpreter):
+    """Runs the split graph on fake values, compiling each compute piece on its fake inputs."""
+
+    def __init__(self, split_gm, compute_names: set[str], on_compute):
+        super().__init__(split_gm)
+        self.compute_names = compute_names
+        self.on_compute = on_compute
+
+    def call_module(self, target, args, kwargs):
+        assert not kwargs
+        submod = self.fetch_attr(target)
+        out = submod(*args)  # before compiling: Inductor may rewrite the graph it is given
+        if target in self.compute_names:
+            self.on_compute(target, submod, list(args))
+        return out
+
+
+def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
+                   compiler: PieceCompiler) -> dict[str, CompiledPiece]:
+    """Compile every compute piece of ``split_gm``; returns them by submodule name."""
+    compiled: dict[str, CompiledPiece] = {}
+
+    def on_compute(name, submod, fake_args):
+        compiled[name] = compiler.compile(name, submod, fake_args)
+
+    with compiler.fake_mode:
+        _FakeRun(split_gm, compute_names, on_compute).run(*fake_inputs)
+    return compiled

@@ -1,0 +1,161 @@
+"""Facts about the nodes of a Dynamo graph that decide where each node may run.
+
+Three questions, answered from the fake values Dynamo stores in ``node.meta["example_value"]``:
+
+* **Which symbols are per-step scalars?** A SymInt graph input whose symbol appears in no input
+  tensor's shape (a Python-int KV position ``pos``) changes every decode step. Batch symbols appear
+  in input shapes (``input_ids: [s0, 1]``). A compute piece that used a step scalar would need a new
+  CUDA graph every step, so nodes that *need* one (their own value's shape/strides/offset, or the
+  shapes of what they read, mention it) must run eagerly.
+* **Which nodes mutate what?** In-place ops on graph inputs (a KV cache write) must run eagerly:
+  a captured graph writes into the buffers it was captured with, not the caller's tensor.
+* **What aliases what?** A view shares its input's storage; we follow views back to a *root* so
+  that reordering never moves a read across a write of the same memory.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Iterable
+
+import torch
+import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+_INPLACE_OPERATORS = {
+    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift,
+}
+
+# Ops that change global state that split_module tracks as regions; never reorder across them.
+_BARRIER_NAMES = {"_set_grad_enabled", "set_grad_enabled", "_enter_autocast", "_exit_autocast"}
+
+
+def example_value(node: torch.fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _sym_expr_symbols(value) -> set:
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return set(value.node.expr.free_symbols)
+    return set()
+
+
+def value_symbols(value, *, with_offset: bool = True) -> set:
+    """Free symbols of a fake value: a SymInt, or a tensor's sizes, strides (and storage offset)."""
+    if isinstance(value, (list, tuple)):
+        out: set = set()
+        for v in value:
+            out |= value_symbols(v, with_offset=with_offset)
+        return out
+    if isinstance(value, torch.Tensor):
+        out = set()
+        for s in (*value.shape, *value.stride()):
+            out |= _sym_expr_symbols(s)
+        if with_offset:
+            out |= _sym_expr_symbols(value.storage_offset())
+        return out
+    return _sym_expr_symbols(value)
+
+
+def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [n for n in graph.nodes if n.op == "placeholder"]
+
+
+def step_symbols(graph: torch.fx.Graph) -> frozenset:
+    """Symbols of SymInt inputs that no input tensor's shape mentions: per-step scalars."""
+    shape_syms: set = set()
+    scalar_syms: set = set()
+    for node in placeholders(graph):
+        value = example_value(node)
+        if isinstance(value, torch.Tensor):
+            shape_syms |= value_symbols(value, with_offset=False)
+        else:
+            scalar_syms |= _sym_expr_symbols(value)
+    return frozenset(scalar_syms - shape_syms)
+
+
+def uses_step_symbols(node: torch.fx.Node, steps: frozenset) -> bool:
+    """True if running ``node`` needs a step scalar: in its own value, or in the shapes it reads.
+
+    What it reads counts by shape and strides only: a tensor computed from ``pos`` by value (the
+    attention output) or a view at a ``pos``-dependent offset (a RoPE row) can feed a compute piece.
+    """
+    if not steps:
+        return False
+    if value_symbols(example_value(node)) & steps:
+        return True
+    return any(value_symbols(example_value(i), with_offset=False) & steps for i in node.all_input_nodes)
+
+
+def is_barrier(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and getattr(node.target, "__name__", "") in _BARRIER_NAMES
+
+
+def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The input nodes ``node`` writes in place (empty for pure ops)."""
+    if node.op == "call_method":
+        name = str(node.target)
+        if name == "__setitem__" or (name.endswith("_") and not name.startswith("_")):
+            return [a for a in node.args[:1] if isinstance(a, torch.fx.Node)]
+    elif node.op == "call_function":
+        target = node.target
+        out = node.kwargs.get("out")
+        if isinstance(out, torch.fx.Node):
+            return [out]
+        if isinstance(out, (tuple, list)):
+            return [o for o in out if isinstance(o, torch.fx.Node)]
+        if target in _INPLACE_OPERATORS:
+            first = node.args[0] if node.args else None
+            if isinstance(first, torch.fx.Node) and isinstance(example_value(first), torch.Tensor):
+                return [first]
+            return []
+        if isinstance(target, torch._ops.OpOverload):
+            written = []
+            for i, arg in enumerate(target._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                    if isinstance(value, torch.fx.Node):
+                        written.append(value)
+            return written
+        name = getattr(target, "__name__", "")
+        if name.endswith("_") and not name.startswith("_") and node.args:
+            first = node.args[0]
+            if isinstance(first, torch.fx.Node) and isinstance(example_value(first), torch.Tensor):
+                return [first]
+    return []
+
+
+def _storage_refs(value) -> set:
+    if isinstance(value, (list, tuple)):
+        return set().union(*(_storage_refs(v) for v in value)) if value else set()
+    if isinstance(value, torch.Tensor):
+        try:
+            return {StorageWeakRef(value.untyped_storage())}
+        except Exception:  # tensors without storage (some subclasses)
+            return set()
+    return set()
+
+
+def alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Map each tensor node to the node that owns its memory (itself unless it is a view)."""
+    roots: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in graph.nodes:
+        roots[node] = node
+        refs = _storage_refs(example_value(node))
+        if not refs:
+            continue
+        for inp in node.all_input_nodes:
+            if refs & _storage_refs(example_value(inp)):
+                roots[node] = roots[inp]
+                break
+    return roots
+
+
+def is_sym_node(node: torch.fx.Node) -> bool:
+    return isinstance(example_value(node), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
+
+
+def tensor_inputs(node: torch.fx.Node) -> Iterable[torch.fx.Node]:
+    return (i for i in node.all_input_nodes if isinstance(example_value(i), torch.Tensor))

@@ -1,0 +1,87 @@
+"""Naming the ops of a Dynamo graph, so users can say where to split with plain strings.
+
+A Dynamo graph records an op as whatever Python object the model called: the builtin
+``torch._C._nn.scaled_dot_product_attention`` (which *is* ``F.scaled_dot_product_attention``), an
+``OpOverloadPacket`` such as ``torch.ops.aten.scaled_dot_product_attention``, or an ``OpOverload``
+such as ``torch.ops.mylib.paged_attention.default`` (what a ``torch.library.custom_op`` records).
+Users should not have to know which: they write ``"aten::scaled_dot_product_attention"`` or
+``"mylib::paged_attention"`` and every form of that op matches.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+#: Split here by default: every form of SDPA a model may call, public or backend-specific.
+DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
+    "aten::scaled_dot_product_attention",
+    "aten::_scaled_dot_product_flash_attention",
+    "aten::_scaled_dot_product_efficient_attention",
+    "aten::_scaled_dot_product_cudnn_attention",
+    "aten::_scaled_dot_product_flash_attention_for_cpu",
+)
+
+# Python-level callables that are the same op as an aten op (Dynamo records the callable).
+_PYTHON_ALIASES: dict[object, str] = {
+    F.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
+    torch._C._nn.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
+}
+
+
+def canonical_op_name(target: object) -> str | None:
+    """``"ns::name"`` for an FX ``call_function`` target that is a dispatcher op, else None."""
+    if target in _PYTHON_ALIASES:
+        return _PYTHON_ALIASES[target]
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name  # "ns::name" without the overload
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return None
+    return None
+
+
+def display_name(node: torch.fx.Node) -> str:
+    """A short human name for a node's op, for tables and error messages."""
+    if node.op == "call_method":
+        return f"Tensor.{node.target}"
+    if node.op == "call_module":
+        return f"module {node.target}"
+    name = canonical_op_name(node.target)
+    if name is not None:
+        return name
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _op_exists(name: str) -> bool:
+    ns, _, rest = name.partition("::")
+    op_name, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op_name)
+    except (AttributeError, RuntimeError):
+        return False
+    return not overload or overload in packet.overloads()
+
+
+def validate_op_names(names: tuple[str, ...], option: str) -> tuple[str, ...]:
+    """Check ``"ns::op"`` strings name registered ops; return them without overload suffixes.
+
+    Raises ValueError naming the bad entry, the accepted form and the defaults.
+    """
+    out = []
+    for name in names:
+        if not isinstance(name, str) or "::" not in name:
+            raise ValueError(
+                f"{option}: {name!r} is not an op name. Use the dispatcher name 'namespace::op' "
+                f"(e.g. 'mylib::paged_attention' for torch.library.custom_op('mylib::paged_attention')). "
+                f"Defaults: {', '.join(DEFAULT_SPLITTING_OPS)}"
+            )
+        if not _op_exists(name):
+            raise ValueError(
+                f"{option}: no op named {name!r} is registered with torch. Register it first "
+                f"(torch.library.custom_op / TORCH_LIBRARY) or fix the spelling. "
+                f"Defaults: {', '.join(DEFAULT_SPLITTING_OPS)}"
+            )
+        out.append(name.split(".")[0])
+    return tuple(dict.fromkeys(out))

@@ -1,0 +1,243 @@
+"""Split a Dynamo graph into compute pieces (compiled, CUDA-graphed) and split pieces (eager).
+
+Every node gets one of three kinds:
+
+* ``split``: a splitting op (attention). Each gets a piece of its own.
+* ``eager``: must not be inside a captured graph: it mutates a graph input (the KV-cache write),
+  or it needs a per-step scalar such as the KV position ``pos`` (cache slices, ``cos[pos:pos+S]``).
+  Graphing those would either write the wrong buffer or recapture at every decode step.
+* ``compute``: everything else.
+
+Then two reorderings keep compute pieces whole (one per layer, not two or three):
+
+* *hoist*: eager nodes that only read graph inputs and feed compute (``cos[pos:pos+S]``, ``pos+S``)
+  move to the top of the graph, into one eager prologue. Only pure nodes move, and only views or
+  reads of memory nothing in the graph writes, so moving them cannot change a value.
+* *sink*: other eager nodes (the cache write, the cache slices) move down to sit just before the
+  next split op, past compute nodes that neither use them nor touch the memory they touch. They
+  join that op's piece, which is where vLLM puts them too (inside its attention op).
+
+Finally contiguous runs of one kind become partitions and ``torch.fx.passes.split_module`` builds the
+split graph, keeping original order (it matters when the graph mutates tensors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+from . import graph_facts as facts
+from .op_names import canonical_op_name, display_name
+
+COMPUTE, SPLIT, EAGER = "compute", "split", "eager"
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSpec:
+    """One piece of the split graph, in execution order."""
+
+    name: str  # submodule name in the split graph, e.g. "submod_3"
+    index: int
+    kind: str  # "compute", "split" (holds a splitting op) or "eager" (only nodes that must run eagerly)
+    split_ops: tuple[str, ...]  # splitting ops it holds
+    eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
+    num_ops: int
+
+    @property
+    def graphed_kind(self) -> bool:
+        return self.kind == COMPUTE
+
+
+@dataclasses.dataclass
+class SplitGraph:
+    graph_module: torch.fx.GraphModule
+    pieces: list[PieceSpec]
+    step_symbols: frozenset
+
+    def piece(self, name: str) -> PieceSpec:
+        return next(p for p in self.pieces if p.name == name)
+
+
+def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
+              forced_eager: dict) -> tuple[dict, dict]:
+    """Kind of every op node, and a reason string for each eager one."""
+    roots = facts.alias_roots(graph)
+    input_roots = {n for n in graph.nodes if n.op == "placeholder"}
+    kinds: dict = {}
+    reasons: dict = dict(forced_eager)
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops:
+            kinds[node] = SPLIT
+            continue
+        written = [roots[m] for m in facts.mutated_inputs(node)]
+        if any(r in input_roots for r in written):
+            reasons[node] = f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
+        elif facts.uses_step_symbols(node, steps):
+            syms = ", ".join(sorted(map(str, steps)))
+            reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
+        kinds[node] = EAGER if node in reasons else COMPUTE
+    # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
+    # view of an input would alias the runner's copy of it, not the caller's tensor.
+    for node in reversed(list(graph.nodes)):
+        if kinds.get(node) != COMPUTE or not node.users:
+            continue
+        feeds_eager_only = all(kinds.get(u) in (EAGER, SPLIT) for u in node.users)
+        if feeds_eager_only and (facts.is_sym_node(node) or roots[node] in input_roots and roots[node] is not node):
+            kinds[node] = EAGER
+            reasons[node] = f"{display_name(node)}: view/scalar feeding eager ops only"
+    return kinds, reasons
+
+
+def _hoist(graph: torch.fx.Graph, kinds: dict) -> None:
+    """Move pure eager nodes that read only graph inputs and feed compute to the top of the graph."""
+    roots = facts.alias_roots(graph)
+    written_roots = {roots[m] for n in graph.nodes for m in facts.mutated_inputs(n)}
+    nodes = list(graph.nodes)
+    if any(facts.is_barrier(n) for n in nodes):
+        return
+    available = {n for n in nodes if n.op == "placeholder"}
+    candidates = []
+    for node in nodes:
+        if kinds.get(node) != EAGER or facts.mutated_inputs(node):
+            continue
+        pure = facts.is_sym_node(node) or all(
+            roots[node] is roots[i] or roots[i] not in written_roots for i in facts.tensor_inputs(node))
+        if pure and all(i in available for i in node.all_input_nodes):
+            available.add(node)
+            candidates.append(node)
+    # Keep only candidates that (transitively) feed a compute node.
+    keep: set = set()
+    for node in reversed(candidates):
+        if any(kinds.get(u) == COMPUTE or u in keep for u in node.users):
+            keep.add(node)
+    anchor = [n for n in nodes if n.op == "placeholder"][-1] if available else None
+    for node in candidates:
+        if node in keep and anchor is not None:
+            anchor.append(node)
+            anchor = node
+
+
+def _conflicts(moving: torch.fx.Node, other: torch.fx.Node, roots: dict) -> bool:
+    """Can ``moving`` not be moved past ``other`` (which currently runs after it)?"""
+    if moving in other.all_input_nodes or facts.is_barrier(other):
+        return True
+    moving_writes = {roots[m] for m in facts.mutated_inputs(moving)}
+    other_writes = {roots[m] for m in facts.mutated_inputs(other)}
+    moving_touches = {roots[i] for i in facts.tensor_inputs(moving)} | {roots[moving]}
+    other_touches = {roots[i] for i in facts.tensor_inputs(other)} | {roots[other]}
+    return bool(moving_writes & other_touches or other_writes & moving_touches)
+
+
+def _sink(graph: torch.fx.Graph, kinds: dict) -> None:
+    """Move eager nodes down to just before the next split op, when nothing in between needs them."""
+    roots = facts.alias_roots(graph)
+    for node in reversed(list(graph.nodes)):
+        if kinds.get(node) != EAGER:
+            continue
+        # Find the next split op, and the start of the eager run that already precedes it.
+        cursor, between = node.next, []
+        while cursor.op != "output" and kinds.get(cursor) != SPLIT:
+            between.append(cursor)
+            cursor = cursor.next
+        if cursor.op == "output":
+            continue
+        while between and kinds.get(between[-1]) == EAGER:
+            cursor = between.pop()
+        if between and not any(_conflicts(node, other, roots) for other in between):
+            cursor.prepend(node)
+
+
+def _partition(graph: torch.fx.Graph, kinds: dict) -> dict:
+    """Contiguous runs of compute nodes, one partition per split op (with the eager run before it)."""
+    part: dict = {}
+    pid, prev = -1, None
+    for node in graph.nodes:
+        kind = kinds.get(node)
+        if kind is None:
+            continue
+        if kind == COMPUTE:
+            starts_new = prev != COMPUTE
+        else:  # eager nodes join the split op that follows them; each split op ends its piece
+            starts_new = prev in (None, COMPUTE, SPLIT)
+        pid += starts_new
+        part[node] = pid
+        prev = kind
+    return part
+
+
+def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict) -> dict:
+    """Compute nodes that write memory owned by another partition: they must run eagerly."""
+    roots = facts.alias_roots(graph)
+    bad = {}
+    for node in graph.nodes:
+        if kinds.get(node) != COMPUTE:
+            continue
+        for m in facts.mutated_inputs(node):
+            owner = roots[m]
+            if part.get(owner) != part[node]:
+                bad[node] = f"{display_name(node)}: writes {owner.name}, which another piece owns"
+    return bad
+
+
+def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str]) -> None:
+    """Remove SymInt inputs a compute piece does not use.
+
+    ``split_module`` hands a piece the symbols that appear in its inputs' metadata, e.g. ``pos``
+    for a RoPE row whose storage offset is ``16 * pos``. An unused ``pos`` input would still make
+    Inductor treat the piece as dynamic in it (and guard on it); the piece never needs it.
+    """
+    for call in [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target in names]:
+        submod = getattr(split_gm, str(call.target))
+        phs = [n for n in submod.graph.nodes if n.op == "placeholder"]
+        keep = []
+        for ph, arg in zip(phs, call.args):
+            value = facts.example_value(arg) if isinstance(arg, torch.fx.Node) else arg
+            if ph.users or isinstance(value, torch.Tensor) or value is None and isinstance(arg, torch.fx.Node):
+                keep.append(arg)
+            else:
+                submod.graph.erase_node(ph)
+        if len(keep) != len(call.args):
+            call.args = tuple(keep)
+            submod.recompile()
+    split_gm.recompile()  # no dead-code elimination: eager pieces may exist only for their writes
+
+
+def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
+    """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces."""
+    graph = gm.graph
+    steps = facts.step_symbols(graph)
+    forced: dict = {}
+    for _ in range(8):  # cross-piece writes force nodes eager; a few rounds reach a fixed point
+        kinds, reasons = _classify(graph, splitting_ops, steps, forced)
+        for n in forced:
+            kinds[n] = EAGER
+        _hoist(graph, kinds)
+        _sink(graph, kinds)
+        part = _partition(graph, kinds)
+        bad = _cross_partition_writes(graph, kinds, part)
+        if not bad:
+            break
+        forced.update(bad)
+    graph.lint()
+
+    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+    compute_pids = {pid for node, pid in part.items() if kinds[node] == COMPUTE}
+    _drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids})
+    members: dict[int, list] = {}
+    for node, pid in part.items():
+        members.setdefault(pid, []).append(node)
+    pieces = []
+    for index, node in enumerate(n for n in split_gm.graph.nodes if n.op == "call_module"):
+        pid = int(str(node.target).rsplit("_", 1)[1])
+        group = members[pid]
+        split_ops = tuple(display_name(n) for n in group if kinds[n] == SPLIT)
+        kind = SPLIT if split_ops else (EAGER if kinds[group[0]] == EAGER else COMPUTE)
+        pieces.append(PieceSpec(
+            name=str(node.target), index=index, kind=kind, split_ops=split_ops,
+            eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group)))
+    return SplitGraph(split_gm, pieces, steps)

@@ -1,0 +1,91 @@
+"""End to end on CPU: compiled pieces run un-graphed and must equal eager, with few compiles."""
+
+import pytest
+import torch
+
+import piecewise_backend
+from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
+
+from .helpers import assert_close_steps, llama_decode
+
+CFG = ToyConfig(layers=3)
+BATCHES = (1, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def llama_run():
+    """One compiled ToyLlama driven at several batch sizes; the outputs of eager and compiled."""
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(CFG)).eval()
+    compiled = torch.compile(model, backend="piecewise")
+    with torch.no_grad():
+        runs = {b: (llama_decode(model, model, b, 5, 3), llama_decode(compiled, model, b, 5, 3)) for b in BATCHES}
+    return runs, piecewise_backend.compiled_graphs()
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+def test_llama_matches_eager(llama_run, batch):
+    eager, compiled = llama_run[0][batch]
+    assert_close_steps(compiled, eager)
+
+
+def test_llama_compiles_each_distinct_piece_once(llama_run):
+    graphs = llama_run[1]
+    assert graphs
+    for g in graphs:
+        # first, middle (shared by the other layers) and last piece; the prefill graph's pieces may
+        # coincide further
+        assert 1 <= g.stats.inductor_compiles <= 3, g.stats.summary()
+        shared = [c.shared_with for c in g.compiled.values()]
+        assert len(set(shared)) == g.stats.inductor_compiles
+
+
+def test_cpu_runs_ungraphed_and_says_why(llama_run):
+    for g in llama_run[1]:
+        assert g.stats.captures == 0
+        assert g.stats.ungraphed_runs > 0
+        assert "need CUDA tensors; inputs are on cpu" in g.stats.graphs_disabled_reason
+
+
+def test_compile_count_is_independent_of_depth():
+    counts = {}
+    for layers in (2, 16):
+        torch._dynamo.reset()
+        model = init_weights_(ToyLlama(ToyConfig(layers=layers, hidden=32, intermediate=64))).eval()
+        compiled = torch.compile(model, backend="piecewise")
+        ids = torch.randint(0, 128, (2, 4))
+        torch.testing.assert_close(compiled(ids, 0), model(ids, 0), atol=1e-4, rtol=1e-4)
+        (graph,) = piecewise_backend.compiled_graphs()[-1:]
+        assert graph.stats.num_compute_pieces == layers + 1
+        counts[layers] = graph.stats.inductor_compiles
+    assert counts[16] == counts[2] <= 3
+
+
+def test_gpt_with_caches_as_arguments_matches_eager():
+    torch._dynamo.reset()
+    model = init_weights_(ToyGPT(CFG)).eval()
+    compiled = torch.compile(model, backend="piecewise")
+    caches_e, caches_c = model.new_caches(), model.new_caches()
+    for batch, (pos, seq) in zip((2, 2, 2, 3), ((0, 4), (4, 1), (5, 1), (0, 3))):
+        ids = torch.randint(0, 128, (batch, seq))
+        torch.testing.assert_close(compiled(ids, caches_c, pos), model(ids, caches_e, pos), atol=1e-4, rtol=1e-4)
+    for (ke, ve), (kc, vc) in zip(caches_e, caches_c):  # the caches the graph wrote are the user's
+        torch.testing.assert_close(kc, ke, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(vc, ve, atol=1e-5, rtol=1e-5)
+
+
+def test_custom_attention_op_split_and_matches_eager():
+    torch._dynamo.reset()
+    model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
+    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["toyattn::attention"]})
+    assert_close_steps(llama_decode(compiled, model, 2, 5, 3), llama_decode(model, model, 2, 5, 3))
+    graph = piecewise_backend.compiled_graphs()[-1]
+    assert [p.split_ops for p in graph.pieces if p.split_ops] == [("toyattn::attention",)] * CFG.layers
+
+
+def test_backend_callable_works_without_the_registry_name():
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU())
+    compiled = torch.compile(model, backend=piecewise_backend.piecewise)
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(compiled(x), model(x))

@@ -1,0 +1,80 @@
+"""Where the graph splits, and what runs eagerly — checked on the Dynamo graphs of the toy models."""
+
+import torch
+
+from piecewise_backend.splitting import COMPUTE, EAGER, SPLIT
+from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
+
+from .helpers import split_only
+
+CFG = ToyConfig(layers=3)
+
+
+def _llama_calls():
+    return [(torch.randint(0, 128, (2, 5)), 0), (torch.randint(0, 128, (2, 1)), 5),
+            (torch.randint(0, 128, (2, 1)), 6)]
+
+
+def test_llama_decode_graph_splits_at_each_attention():
+    model = init_weights_(ToyLlama(CFG)).eval()
+    splits, outs = split_only(model, _llama_calls())
+    decode = splits[-1]  # dynamic in the position
+    assert len(decode.step_symbols) == 1
+    kinds = [p.kind for p in decode.pieces]
+    # prologue (RoPE rows at pos), then compute / attention alternating, compute last
+    assert kinds == [EAGER] + [COMPUTE, SPLIT] * CFG.layers + [COMPUTE]
+    for p in decode.pieces:
+        if p.kind == SPLIT:
+            assert p.split_ops == ("aten::scaled_dot_product_attention",)
+            # the cache writes and cache slices moved in with the attention op
+            assert sum("writes graph input" in r for r in p.eager_reasons) == 2
+            assert sum("per-step scalar" in r for r in p.eager_reasons) == 2
+    assert all("per-step scalar" in r for r in decode.pieces[0].eager_reasons)
+
+
+def test_split_graph_runs_like_the_model():
+    model = init_weights_(ToyLlama(CFG)).eval()
+    calls = _llama_calls()
+    _, outs = split_only(model, calls)
+    model_ref = init_weights_(ToyLlama(CFG)).eval()
+    for (ids, pos), out in zip(calls, outs):
+        torch.testing.assert_close(out, model_ref(ids, pos))
+
+
+def test_prefill_graph_without_step_scalar_has_no_eager_prologue():
+    model = init_weights_(ToyLlama(CFG)).eval()
+    splits, _ = split_only(model, _llama_calls()[:1])
+    assert [p.kind for p in splits[0].pieces] == [COMPUTE, SPLIT] * CFG.layers + [COMPUTE]
+
+
+def test_gpt_caches_passed_as_arguments_are_written_eagerly():
+    model = init_weights_(ToyGPT(CFG)).eval()
+    caches = model.new_caches()
+    calls = [(torch.randint(0, 128, (1, 4)), caches, 0), (torch.randint(0, 128, (1, 1)), caches, 4),
+             (torch.randint(0, 128, (1, 1)), caches, 5)]
+    splits, _ = split_only(model, calls)
+    decode = splits[-1]
+    assert [p.kind for p in decode.pieces] == [EAGER] + [COMPUTE, SPLIT] * CFG.layers + [COMPUTE]
+    assert any("arange" in r for r in decode.pieces[0].eager_reasons)
+
+
+def test_custom_attention_op_is_split_when_named():
+    model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
+    splits, _ = split_only(model, _llama_calls(), options={"extra_splitting_ops": ["toyattn::attention"]})
+    for split in splits:
+        ops = [p.split_ops for p in split.pieces if p.kind == SPLIT]
+        assert ops == [("toyattn::attention",)] * CFG.layers
+
+
+def test_custom_attention_unnamed_is_not_a_split_op():
+    model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
+    splits, _ = split_only(model, _llama_calls()[:1])
+    assert all(not p.split_ops for p in splits[0].pieces)
+    # the cache writes still run eagerly: they write module buffers
+    assert any(p.kind == EAGER for p in splits[0].pieces)
+
+
+def test_graph_without_split_op_is_one_compute_piece():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    splits, _ = split_only(model, [(torch.randn(3, 8),)])
+    assert [p.kind for p in splits[0].pieces] == [COMPUTE]
