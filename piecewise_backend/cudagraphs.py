@@ -42,11 +42,28 @@ _POOLS: dict[int, Any] = {}
 
 
 def shared_graph_pool(device: torch.device):
-    """The process-wide graph memory pool of one device (created on first use)."""
+    """The process-wide graph memory pool of one device (created on first use).
+
+    A pool lives only while some graph captured into it lives; once the last one dies (e.g. after
+    ``torch._dynamo.reset()``) the allocators free it, and capturing into the stale handle trips
+    their asserts (seen on torch 2.11: ``use_count > 0 INTERNAL ASSERT FAILED`` in the device and the
+    pinned-host allocator; a ``torch.cuda.MemPool`` keeps only the device side alive). So the pool
+    is opened with a one-kernel *keeper* graph that this module holds for the life of the process.
+    """
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _POOLS:
-        _POOLS[index] = torch.cuda.graph_pool_handle()
-    return _POOLS[index]
+        with torch.cuda.device(index):
+            handle = torch.cuda.graph_pool_handle()
+            keeper = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                keeper.capture_begin(pool=handle)
+                torch.zeros(1, device=f"cuda:{index}").add_(1)
+                keeper.capture_end()
+            torch.cuda.current_stream().wait_stream(side)
+            _POOLS[index] = (handle, keeper)
+    return _POOLS[index][0]
 
 
 @dataclasses.dataclass
@@ -177,7 +194,7 @@ class PieceRunner:
             try:
                 outputs = self.fn(*capture_args)
             finally:
-                graph.capture_end()
+                graph.capture_end()  # always: a capture left open poisons every later one
         torch.cuda.current_stream().wait_stream(side)
         graph.replay()  # capture does not run kernels; this call's outputs come from a replay
 
