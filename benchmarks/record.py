@@ -1,6 +1,6 @@
 """Merge a device run into benchmarks/results/h200.json, stamped with the code hash.
 
-    python benchmarks/record.py --junit pytest.xml --decode decode.json --out h200.json
+    python benchmarks/record.py --junit pytest.xml --decode decode.json --capture capture.json --out h200.json
 
 The code hash follows ../shared/tools/code_hash.py's definition (sha256 over the package's .py
 files in sorted path order: path, NUL, bytes, NUL), recomputed here because shared/ does not travel
@@ -38,6 +38,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit")
     parser.add_argument("--decode")
+    parser.add_argument("--capture")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -51,6 +52,10 @@ def main() -> None:
     if args.decode:
         result.update(json.loads(pathlib.Path(args.decode).read_text()))
         result["code_hash"] = digest
+    if args.capture:
+        capture = json.loads(pathlib.Path(args.capture).read_text())
+        for key in ("capture", "memory"):
+            result[key] = {**capture[key], "code_hash": digest}
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "decode"}, indent=1))
 

@@ -7,10 +7,11 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 ``backend=piecewise_backend.piecewise`` works too.
 """
 
-from .backend import CompiledGraph, compiled_graphs, piecewise
+from .backend import CompiledGraph, capture, compiled_graphs, piecewise
 from .config import PiecewiseConfig
+from .cudagraphs import pool_bytes
 from .op_names import DEFAULT_SPLITTING_OPS
-from .stats import GraphStats, PieceStats, process_stats
+from .stats import CaptureEvent, GraphStats, PieceStats, capture_table, process_stats
 
 __version__ = "0.1.0"
 
@@ -19,7 +20,11 @@ __all__ = [
     "PiecewiseConfig",
     "CompiledGraph",
     "compiled_graphs",
+    "capture",
     "process_stats",
+    "capture_table",
+    "pool_bytes",
+    "CaptureEvent",
     "GraphStats",
     "PieceStats",
     "DEFAULT_SPLITTING_OPS",

@@ -79,6 +79,8 @@ def main(argv=None) -> None:
         print(f"  {p.name:>10}  {p.kind:8} {p.num_ops:4} ops  {shared or what}")
     for g in compiled_graphs():
         print(f"\ngraph {g.serial}:\n  " + g.stats.summary().replace("\n", "\n  "))
+        if g.stats.events:
+            print("  " + g.stats.table().replace("\n", "\n  "))
     print("\ndecode step time (median):")
     print(f"  {'batch':>5}  {'eager ms':>9}  {'piecewise ms':>12}  {'speed-up':>8}")
     for batch, eager, piecewise in rows:

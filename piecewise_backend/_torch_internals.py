@@ -29,6 +29,25 @@ def fakify_inputs(example_inputs: Sequence[Any], fake_mode) -> list:
     return [fake_mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
 
 
+def fake_propagation(fake_mode):
+    """Run graph code on fake tensors the way Dynamo and AOTAutograd do: under the fake mode *and*
+    the Python dispatcher.
+
+    Without the Python dispatcher, composite ops run their C++ decomposition, and on torch 2.11
+    ``linear`` on a 3-D input reads ``input.sizes()`` as plain ints: that turns the batch symbol
+    into a constant (a guard ``s0 == 3``), so every batch size recompiled, and ``mark_dynamic``
+    raised ConstraintViolationError. With it, the SymInt-aware Python decompositions run.
+    """
+    import contextlib
+
+    from torch._dispatch.python import enable_python_dispatcher
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fake_mode)
+    stack.enter_context(enable_python_dispatcher())
+    return stack
+
+
 def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> Callable[..., Any]:
     """Compile one piece with Inductor, dynamic in the symbols its fake inputs carry.
 
@@ -48,18 +67,20 @@ def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> Ca
     return compiled
 
 
-def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
+def non_owning_alias(t: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:
     """A tensor over ``t``'s memory that does not keep that memory allocated (a weak reference).
 
     Captured outputs live in the shared graph pool; holding them strongly would stop later
     captures (other pieces, other sizes) from reusing that memory. vLLM uses a C++ op for this;
-    cudagraph_trees uses these two private constructors, and so do we.
+    cudagraph_trees uses these two private constructors, and so do we. ``size`` replaces ``t``'s
+    shape (same strides and offset): the padded tensor that ``t`` is the first rows of. The caller
+    checks that it fits in the storage (:func:`fits_in_storage`).
     """
     storage = t.untyped_storage()
     meta = {
         "nbytes": storage.nbytes(),
         "data_ptr": storage.data_ptr(),
-        "size": t.shape,
+        "size": tuple(size) if size is not None else t.shape,
         "stride": t.stride(),
         "dtype": t.dtype,
         "device": t.device,
@@ -67,6 +88,19 @@ def non_owning_alias(t: torch.Tensor) -> torch.Tensor:
     }
     weak_storage = torch._C._construct_storage_from_data_pointer(meta["data_ptr"], t.device, meta["nbytes"])
     return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, weak_storage)
+
+
+def stop_pool_recording(device_index: int, pool) -> None:
+    """End the allocator's "allocate into this graph pool" mode if a failed capture left it on.
+
+    ``CUDAGraph.capture_end`` raising (a capture invalidated by a host sync, say) can skip the
+    allocator's end-of-capture bookkeeping; every later capture into that pool then fails with
+    "beginAllocateToPool: already recording to mempool_id" (seen on torch 2.11).
+    """
+    try:
+        torch._C._cuda_endAllocateToPool(device_index, tuple(pool))
+    except Exception:  # not recording (the normal case) or an older binding: nothing to undo
+        pass
 
 
 def is_static_input(node: torch.fx.Node) -> bool:

@@ -3,27 +3,34 @@
 ``torch.compile(model, backend="piecewise", options={...})`` calls :func:`piecewise` once per graph
 Dynamo captures. It returns a :class:`CompiledGraph`: the split graph (torch's ``split_module``
 output) whose compute submodules are replaced by :class:`~piecewise_backend.cudagraphs.PieceRunner`
-objects, and whose split/eager submodules run as they are, between the replays.
+objects, and whose split/eager submodules run as they are, between the replays. Per call, the
+:class:`~piecewise_backend.capture_policy.CapturePolicy` picks the captured size that serves the
+batch (padding up to it), or says why the call runs un-graphed.
 """
 
 from __future__ import annotations
 
 import logging
 import operator
+import time
 import warnings
 import weakref
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 import torch.fx
 
 from . import _torch_internals
 from . import graph_facts as facts
+from .capture_policy import OVER_BUDGET, CapturePolicy, Plan
 from .compiling import CompiledPiece, PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
-from .cudagraphs import PieceRunner, StepState
+from . import cudagraphs
+from .cudagraphs import PieceRunner, StepState, pool_bytes, synchronize
+from .padding import plan_padding
+from .precapture import run_compute_pieces, symbol_values
 from .splitting import COMPUTE, SplitGraph, split_graph
-from .stats import GraphStats, PieceStats, register
+from .stats import CaptureEvent, GraphStats, PieceStats, register
 
 log = logging.getLogger("piecewise_backend")
 
@@ -35,6 +42,15 @@ def compiled_graphs() -> list["CompiledGraph"]:
     return sorted(_COMPILED, key=lambda g: g.serial)
 
 
+def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
+    """Capture ``sizes`` now in every live compiled graph that can (servers: warm up when idle).
+
+    A graph can once it has been called (its weights and other sizes come from that call) and has
+    a dynamic batch size. Returns, per graph serial, the shape keys it captured.
+    """
+    return {g.serial: g.capture(sizes) for g in compiled_graphs() if g.can_capture_up_front}
+
+
 class CompiledGraph:
     """The callable Dynamo installs for one captured graph."""
 
@@ -42,7 +58,9 @@ class CompiledGraph:
 
     def __init__(self, split: SplitGraph, compiled: dict[str, CompiledPiece], runners: dict[str, PieceRunner],
                  step: StepState, stats: GraphStats, config: PiecewiseConfig, key_sources: list,
-                 graphs_disabled_reason: str | None, any_requires_grad: bool):
+                 key_symbols: list, pad_position: int | None, policy: CapturePolicy,
+                 graphs_disabled_reason: str | None, any_requires_grad: bool, fake_inputs: list,
+                 fake_outputs: dict, static_inputs: frozenset):
         CompiledGraph._serial += 1
         self.serial = CompiledGraph._serial
         self.split = split
@@ -52,37 +70,192 @@ class CompiledGraph:
         self.stats = stats
         self.config = config
         self.key_sources = key_sources
+        self.key_symbols = key_symbols
+        self.pad_position = pad_position
+        self.policy = policy
         self.graphs_disabled_reason = graphs_disabled_reason
         self.any_requires_grad = any_requires_grad
+        self.captured: set = set()
+        self._plans: dict[tuple, Plan] = {}
+        self._fake_inputs = fake_inputs
+        self._fake_outputs = fake_outputs
+        self._static_inputs = static_inputs
+        self._template: list | None = None  # first call's weights and scalars, for capture()
+        self._template_key: tuple = ()
+        self._template_values: dict = {}
+        self._warned: set = set()
         self._forward = split.graph_module.forward
-        self._warned_grad = False
 
     @property
     def pieces(self):
         return self.split.pieces
 
+    @property
+    def can_capture_up_front(self) -> bool:
+        return self.graphs_disabled_reason is None and self.pad_position is not None and self._template is not None
+
     def shape_key(self, args) -> tuple:
         """The values of the batch symbols for this call (never the per-step scalars)."""
         return tuple(args[i] if dim is None else args[i].shape[dim] for i, dim in self.key_sources)
 
+    # -- per call ---------------------------------------------------------------------------------
+
     def __call__(self, *args):
         step = self.step
         self.stats.calls += 1
-        step.graphing = self.graphs_disabled_reason is None and self._grad_allows_graphs()
-        if step.graphing:
-            step.key = self.shape_key(args)
-            step.pool_ptrs.clear()
+        if self.graphs_disabled_reason is not None or not self._grad_allows_graphs():
+            step.graphing = False
+            return self._forward(*args)
+        key = self.shape_key(args)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._new_plan(key, args)
+        if plan.size is not None:
+            self.stats.batch_sizes[plan.size] += 1
+        if plan.key is None:
+            step.graphing = False
+            self.stats.misses[plan.miss] += 1
+            return self._forward(*args)
+        step.graphing = True
+        step.key = plan.key
+        step.size = plan.size
+        step.padded = plan.padded
+        if plan.capture:
+            return self._capturing_call(plan, args)
         return self._forward(*args)
+
+    def _new_plan(self, key: tuple, args: tuple) -> Plan:
+        if self._template is None:
+            self._remember(key, args)
+            if self.config.eager_sizes and self.pad_position is not None:
+                self.capture(self.config.eager_sizes)  # before the first output
+        plan = self.policy.plan(key, self.captured, self._pool_bytes)
+        if plan.miss is not None:
+            self.stats.miss_details[plan.miss] = plan.detail
+            if plan.miss == OVER_BUDGET:
+                self._warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
+                                           f"{plan.detail}. Those calls run un-graphed (see stats.summary()).")
+        if not plan.capture:
+            self._plans[key] = plan
+        return plan
+
+    def _capturing_call(self, plan: Plan, args: tuple):
+        step = self.step
+        step.pool_ptrs.clear()
+        step.key_size = plan.key[self.pad_position] if self.pad_position is not None else None
+        step.sym_values = dict(zip(self.key_symbols, plan.key))
+        before, start = self._pool_bytes(), time.perf_counter()
+        out = self._forward(*args)
+        synchronize(self._device)
+        self._record_capture(plan.key, "lazy", time.perf_counter() - start, before)
+        return out
 
     def _grad_allows_graphs(self) -> bool:
         if not (self.any_requires_grad and torch.is_grad_enabled()):
             return True
-        if not self._warned_grad:
-            self._warned_grad = True
-            warnings.warn("piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
-                          "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
-                          "torch.inference_mode() to get graphs.", stacklevel=3)
+        self._warn_once("grad", "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
+                                "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
+                                "torch.inference_mode() to get graphs.")
         return False
+
+    def _warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warnings.warn(message, stacklevel=4)
+
+    # -- capture bookkeeping ----------------------------------------------------------------------
+
+    def _pool_bytes(self) -> int:
+        device = self._device
+        return pool_bytes(device) if device.type == "cuda" else 0
+
+    @property
+    def _device(self) -> torch.device:
+        return next(f.device for f in self._fake_inputs if isinstance(f, torch.Tensor))
+
+    def _record_capture(self, key: tuple, how: str, seconds: float, before: int) -> None:
+        after = self._pool_bytes()
+        self.captured.add(key)
+        self._plans.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
+        size = key[self.pad_position] if self.pad_position is not None else None
+        self.policy.budget.record(size, after - before)
+        pieces = sum(1 for r in self.runners.values() if key in r.captures)
+        self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces,
+                                              self.stats.calls))
+        log.info("piecewise: graph %d: captured shape key %s (%s) across %d pieces in %.0f ms; graph pool "
+                 "%.1f MiB (+%.1f MiB)", self.serial, key, how, pieces, seconds * 1e3, after / 2**20,
+                 (after - before) / 2**20)
+        cap = self.config.max_graph_memory
+        if cap is not None and after > cap:
+            self._warn_once("over cap", f"piecewise: graph {self.serial}: graph pool holds {after / 2**20:.1f} "
+                                        f"MiB after capturing {key}, above max_graph_memory={cap / 2**20:.1f} "
+                                        f"MiB; no further captures.")
+
+    # -- up-front capture -------------------------------------------------------------------------
+
+    def _remember(self, key: tuple, args: tuple) -> None:
+        """Keep what capture() needs from a real call: weights (by reference) and symbol values."""
+        self._template = [a if i in self._static_inputs or not isinstance(a, torch.Tensor) else None
+                          for i, a in enumerate(args)]
+        self._template_key = key
+        self._template_values = symbol_values(self._fake_inputs, args)
+
+    def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
+        """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured.
+
+        ``sizes``: capture sizes, or ``"all"``. Needs one earlier call (for the weights and the
+        sizes of other dynamic dims). Stops, with a warning, at the first size the budget refuses.
+        Shows a progress bar (tqdm) when it takes more than a moment.
+        """
+        if self.graphs_disabled_reason is not None:
+            raise RuntimeError(f"piecewise: graph {self.serial} cannot capture: {self.graphs_disabled_reason}.")
+        if self.pad_position is None:
+            raise RuntimeError(f"piecewise: graph {self.serial} has no dynamic batch size (Dynamo specialised "
+                               f"it); it captures its one shape on its first call. Compile with dynamic=True "
+                               f"or torch._dynamo.mark_dynamic(input, 0) to capture sizes up front.")
+        if self._template is None:
+            raise RuntimeError(f"piecewise: graph {self.serial} has not been called yet; call the compiled model "
+                               f"once (capture() takes the weights and other sizes from that call).")
+        sizes = self.policy.sizes if sizes == "all" else tuple(sizes)
+        unknown = [s for s in sizes if s not in self.policy.sizes]
+        if unknown:
+            raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {self.serial}; "
+                             f"its capture sizes are {list(self.policy.sizes)}.")
+        keys = [self.policy.with_size(self._template_key, s) for s in sorted(set(sizes), reverse=True)]
+        todo = [k for k in keys if k not in self.captured]
+        done = []
+        for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
+            plan = self.policy.admit(key, self.captured, self._pool_bytes)
+            if not plan.capture:
+                self._warn_once(OVER_BUDGET, f"piecewise: graph {self.serial}: stopped capturing at shape key "
+                                             f"{key}: {plan.detail}.")
+                break
+            self._capture_up_front(key)
+            done.append(key)
+        return done
+
+    def _capture_up_front(self, key: tuple) -> None:
+        step = self.step
+        step.graphing, step.key, step.size, step.padded = True, key, key[self.pad_position], False
+        step.key_size = key[self.pad_position]
+        step.pool_ptrs.clear()
+        values = dict(self._template_values)
+        values.update(zip(self.key_symbols, key))
+        step.sym_values = values
+        before, start = self._pool_bytes(), time.perf_counter()
+        run_compute_pieces(self.split.graph_module, self.runners, self._fake_outputs, self._fake_inputs,
+                           self._template, self._static_inputs, values)
+        synchronize(self._device)
+        self._record_capture(key, "eager", time.perf_counter() - start, before)
+
+
+def _progress(items: list, desc: str):
+    """A tqdm bar that appears only if the loop takes more than a second (plain list without tqdm)."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, delay=1.0, unit="size", leave=False)
 
 
 def _escaping_outputs(split_gm: torch.fx.GraphModule) -> dict[str, set]:
@@ -97,41 +270,74 @@ def _escaping_outputs(split_gm: torch.fx.GraphModule) -> dict[str, set]:
     return out
 
 
-def _static_args(split_gm: torch.fx.GraphModule, static_placeholders: set[str]) -> dict[str, frozenset]:
-    """For each submodule, the positions of its args that are parameters/buffers of the model."""
+def _static_args(split_gm: torch.fx.GraphModule, names: set[str]) -> dict[str, frozenset]:
+    """For each submodule, the positions of its args that are graph inputs named in ``names``."""
     out = {}
     for node in split_gm.graph.nodes:
         if node.op == "call_module":
             out[str(node.target)] = frozenset(
                 i for i, a in enumerate(node.args)
-                if isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in static_placeholders)
+                if isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in names)
     return out
 
 
-def _key_sources(fake_inputs: list, needed: set) -> tuple[list, set]:
-    """Where to read each needed symbol at call time: (arg index, dim) or (arg index, None)."""
-    sources, found = [], set()
+def _key_sources(fake_inputs: list, needed: set) -> tuple[list, list, set]:
+    """Where to read each needed symbol at call time: (arg index, dim) or (arg index, None).
+
+    Returns the sources, the symbols in the same order, and the needed symbols no input provides.
+    """
+    sources, symbols = [], []
     for i, value in enumerate(fake_inputs):
         candidates = [(None, value)] if isinstance(value, torch.SymInt) else (
             list(enumerate(value.shape)) if isinstance(value, torch.Tensor) else [])
         for dim, size in candidates:
             if isinstance(size, torch.SymInt) and size.node.expr.is_Symbol:
                 sym = size.node.expr
-                if sym in needed and sym not in found:
-                    found.add(sym)
+                if sym in needed and sym not in symbols:
+                    symbols.append(sym)
                     sources.append((i, dim))
-    return sources, needed - found
+    return sources, symbols, needed - set(symbols)
 
 
 def _graphs_disabled_reason(config: PiecewiseConfig, fake_inputs: list, missing: set) -> str | None:
     if not config.cudagraphs:
         return "cudagraphs=False in options"
     devices = {v.device.type for v in fake_inputs if isinstance(v, torch.Tensor)}
+    if devices == {"cpu"} and cudagraphs.EMULATE_ON_CPU:
+        return None
     if devices != {"cuda"}:
         return f"graphs need CUDA tensors; inputs are on {', '.join(sorted(devices)) or 'no device'}"
     if missing:
         return f"compute pieces depend on symbols not read from any input ({', '.join(map(str, missing))})"
     return None
+
+
+def _leading_dynamic_size(fake_inputs: list, symbols: list) -> int | None:
+    """Position in the key of the first input's first dynamic dim (the batch, for an LLM step).
+
+    Dynamo passes symbols as SymInt inputs too (often before the tensors), so the key's own order
+    does not say which symbol is the batch; the tensors' shapes do.
+    """
+    for value in fake_inputs:
+        if isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt) and size.node.expr in symbols:
+                    return symbols.index(size.node.expr)
+    return None
+
+
+def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list):
+    """(pad position in the key, padding per piece, why not padded or None, description)."""
+    pad_position = _leading_dynamic_size(fake_inputs, symbols)
+    if pad_position is None:
+        return None, {}, None, "no dynamic batch size: one shape, captured as is"
+    sym = symbols[pad_position]
+    pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
+    writes = {p.name: p.writes_inputs for p in split.pieces if p.kind == COMPUTE}
+    per_piece, reason = plan_padding(sym, split.compute_nodes, pieces, writes)
+    if reason:
+        return pad_position, {}, reason, f"off for {sym}: {reason}; only exact capture sizes get graphs"
+    return pad_position, per_piece, None, f"{sym} padded up to the next capture size"
 
 
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
@@ -141,27 +347,33 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         raise RuntimeError("piecewise backend: the graph has no fake example values; it must come from "
                            "torch.compile (Dynamo), not be called directly on an FX graph.")
     static_placeholders = {n.name for n in phs if _torch_internals.is_static_input(n)}
+    static_inputs = frozenset(i for i, n in enumerate(phs) if n.name in static_placeholders)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
     any_requires_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs)
 
-    split = split_graph(gm, config.all_splitting_ops)
+    writable = frozenset(static_placeholders) if config.mode == "full" else frozenset()
+    split = split_graph(gm, config.all_splitting_ops, writable)
     split_gm = split.graph_module
     log.debug("%s", torch._dynamo.utils.lazy_format_graph_code("piecewise split graph", split_gm))
     compute_names = {p.name for p in split.pieces if p.kind == COMPUTE}
     compiler = PieceCompiler(fake_mode, split.step_symbols)
-    compiled = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
+    compiled, fake_outputs = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
 
     needed = set()
     for piece in compiled.values():
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
-    sources, missing = _key_sources(fake_inputs, needed - split.step_symbols)
+    sources, symbols, missing = _key_sources(fake_inputs, needed - split.step_symbols)
     reason = _graphs_disabled_reason(config, fake_inputs, missing)
+    pad_position, padding, no_padding, padding_note = _padding(split, compiled, fake_outputs, fake_inputs, symbols)
+    if not config.padding and pad_position is not None:
+        padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
+    policy = CapturePolicy(config, pad_position, no_padding)
 
     stats = register(GraphStats(
         num_pieces=len(split.pieces), num_compute_pieces=len(compute_names),
         num_split_pieces=len(split.pieces) - len(compute_names),
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds,
-        graphs_disabled_reason=reason))
+        graphs_disabled_reason=reason, padding=padding_note))
     step = StepState()
     escaping = _escaping_outputs(split_gm)
     static_args = _static_args(split_gm, static_placeholders)
@@ -173,16 +385,23 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
             runners[spec.name] = PieceRunner(
                 spec.name, compiled[spec.name].fn, static_args[spec.name],
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
-                config.warmup_runs, config.clone_outputs)
+                config.warmup_runs, config.clone_outputs, padding.get(spec.name),
+                _static_args(split_gm, set(spec.writes_inputs))[spec.name])
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:
             split_gm.__dict__[spec.name] = submod.forward  # skip nn.Module.__call__ overhead
-    graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, reason, any_requires_grad)
+    graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,
+                          reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs)
+    stats.serial = graph.serial
     _COMPILED.add(graph)
-    log.info("piecewise: compiled graph %d: %d pieces (%d compute), %d Inductor compiles; graphs: %s",
+    if config.mode == "full" and len(split.pieces) > 1:
+        log.warning("piecewise: graph %d: full mode, but %d nodes must run eagerly, so it is captured in %d "
+                    "pieces: %s", graph.serial, sum(len(p.eager_reasons) for p in split.pieces),
+                    len(compute_names), "; ".join(r for p in split.pieces for r in p.eager_reasons[:1]))
+    log.info("piecewise: compiled graph %d: %d pieces (%d compute), %d Inductor compiles; graphs: %s; padding: %s",
              graph.serial, stats.num_pieces, stats.num_compute_pieces, stats.inductor_compiles,
-             reason or "lazy, per shape key")
+             reason or "per shape key", padding_note)
     return graph
 
 

@@ -106,30 +106,40 @@ class PieceCompiler:
 
 
 class _FakeRun(torch.fx.Interpreter):
-    """Runs the split graph on fake values, compiling each compute piece on its fake inputs."""
+    """Runs the split graph on fake values, compiling each compute piece on its fake inputs.
+
+    Records every piece's fake output too: padding needs the compute pieces' output shapes, and
+    up-front capture builds stand-ins for the eager pieces' outputs from them.
+    """
 
     def __init__(self, split_gm, compute_names: set[str], on_compute):
         super().__init__(split_gm)
         self.compute_names = compute_names
         self.on_compute = on_compute
+        self.fake_outputs: dict[str, Any] = {}
 
     def call_module(self, target, args, kwargs):
         assert not kwargs
         submod = self.fetch_attr(target)
         out = submod(*args)  # before compiling: Inductor may rewrite the graph it is given
+        self.fake_outputs[target] = out
         if target in self.compute_names:
             self.on_compute(target, submod, list(args))
         return out
 
 
 def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
-                   compiler: PieceCompiler) -> dict[str, CompiledPiece]:
-    """Compile every compute piece of ``split_gm``; returns them by submodule name."""
+                   compiler: PieceCompiler) -> tuple[dict[str, CompiledPiece], dict[str, Any]]:
+    """Compile every compute piece of ``split_gm``.
+
+    Returns the compiled pieces and every piece's fake output, by submodule name.
+    """
     compiled: dict[str, CompiledPiece] = {}
 
     def on_compute(name, submod, fake_args):
         compiled[name] = compiler.compile(name, submod, fake_args)
 
-    with compiler.fake_mode:
-        _FakeRun(split_gm, compute_names, on_compute).run(*fake_inputs)
-    return compiled
+    with _torch_internals.fake_propagation(compiler.fake_mode):
+        run = _FakeRun(split_gm, compute_names, on_compute)
+        run.run(*fake_inputs)
+    return compiled, run.fake_outputs

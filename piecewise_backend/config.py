@@ -11,6 +11,26 @@ from typing import Any, Mapping
 
 from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
 
+CAPTURE_SCHEMES = ("default", "powers_of_two")
+MODES = ("piecewise", "full")
+
+
+def scheme_sizes(scheme: str, max_size: int) -> tuple[int, ...]:
+    """The capture sizes of a named scheme, up to ``max_size`` (always included).
+
+    ``default`` is vLLM's list: 1, 2, 4, then every multiple of 8 (67 sizes up to 512): fine-grained
+    where decode batches live, so padding wastes at most 7 rows. ``powers_of_two`` captures
+    log2(max) sizes at the price of padding up to 2x.
+    """
+    if scheme == "default":
+        sizes = {1, 2, 4, *range(8, max_size + 1, 8)}
+    elif scheme == "powers_of_two":
+        sizes = {1 << i for i in range(max_size.bit_length())}
+    else:
+        raise ValueError(f"piecewise backend: unknown capture scheme {scheme!r}; use one of "
+                         f"{', '.join(map(repr, CAPTURE_SCHEMES))} or a list of sizes.")
+    return tuple(sorted(s for s in sizes | {max_size} if s <= max_size))
+
 
 @dataclasses.dataclass(frozen=True)
 class PiecewiseConfig:
@@ -20,6 +40,9 @@ class PiecewiseConfig:
         splitting_ops: dispatcher names of the ops to split at (run eagerly between graph replays).
             Replaces the defaults, which cover SDPA in all its torch forms.
         extra_splitting_ops: names added to ``splitting_ops`` (the usual way to add a custom op).
+        mode: ``"piecewise"`` splits at ``splitting_ops``; ``"full"`` declares attention graph-safe
+            and captures the whole graph as one CUDA graph per size (nodes that need a per-step
+            Python scalar or write a caller's tensor still run eagerly, and the stats say so).
         cudagraphs: capture CUDA graphs of compute pieces. Off, or without CUDA tensors, pieces
             run compiled and un-graphed, with the same results.
         clone_outputs: copy the graph's outputs out of the CUDA-graph pool, so a returned tensor
@@ -27,17 +50,58 @@ class PiecewiseConfig:
             next call (saves one copy per output per step).
         warmup_runs: eager runs of a piece before its first capture at a new shape (lets lazy
             initialisation, e.g. cuBLAS workspaces and Triton autotuning, happen outside capture).
+        capture_sizes: the batch sizes (leading dynamic size) that get graphs: a named scheme
+            (``"default"``, ``"powers_of_two"``) or a list. Other sizes pad up to the next one.
+        max_capture_size: the largest size of a scheme; sizes above the largest capture size run
+            compiled, un-graphed. Derived from a list when a list is given.
+        padding: pad a batch between capture sizes up to the next one (and slice the outputs
+            back). Off, only the listed sizes get graphs. Graphs whose pieces mix rows along the
+            batch (a reduction over it) or write the caller's tensors are never padded.
+        eager_capture_sizes: sizes captured up front, largest first, on the graph's first call
+            (a list of capture sizes, or ``"all"``). ``capture()`` does the same on demand.
+        lazy_capture: capture other sizes the first time they are seen. Off, a batch pads to the
+            smallest size already captured, or runs un-graphed.
+        max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
+            a capture that would exceed it does not happen; that size runs un-graphed.
+        max_captured_sizes: cap on the number of sizes captured per compiled graph.
     """
 
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     extra_splitting_ops: tuple[str, ...] = ()
+    mode: str = "piecewise"
     cudagraphs: bool = True
     clone_outputs: bool = True
     warmup_runs: int = 1
+    capture_sizes: Any = "default"
+    max_capture_size: int | None = None
+    padding: bool = True
+    eager_capture_sizes: Any = ()
+    lazy_capture: bool = True
+    max_graph_memory: int | None = None
+    max_captured_sizes: int | None = None
 
     @property
     def all_splitting_ops(self) -> frozenset[str]:
+        if self.mode == "full":
+            return frozenset()
         return frozenset(self.splitting_ops) | frozenset(self.extra_splitting_ops)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The capture sizes, ascending."""
+        if isinstance(self.capture_sizes, str):
+            return scheme_sizes(self.capture_sizes, self.max_capture_size or 512)
+        return tuple(sorted(set(self.capture_sizes)))
+
+    @property
+    def largest_size(self) -> int:
+        return self.sizes[-1]
+
+    @property
+    def eager_sizes(self) -> tuple[int, ...]:
+        """Sizes to capture up front, largest first (smaller ones then reuse its pool memory)."""
+        sizes = self.sizes if self.eager_capture_sizes == "all" else self.eager_capture_sizes
+        return tuple(sorted(set(sizes), reverse=True))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any] | None) -> "PiecewiseConfig":
@@ -50,13 +114,14 @@ class PiecewiseConfig:
                 f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}. "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs"):
+        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture"):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:
-            w = options["warmup_runs"]
-            if isinstance(w, bool) or not isinstance(w, int) or w < 0:
-                raise ValueError(f"piecewise backend: option 'warmup_runs' must be an int >= 0, got {w!r}.")
+            _check_int(options["warmup_runs"], "warmup_runs", minimum=0)
+        if options.get("mode", "piecewise") not in MODES:
+            raise ValueError(f"piecewise backend: option 'mode' must be one of {', '.join(map(repr, MODES))}, "
+                             f"got {options['mode']!r}.")
         for key in ("splitting_ops", "extra_splitting_ops"):
             if key in options:
                 value = options[key]
@@ -66,4 +131,59 @@ class PiecewiseConfig:
                         f"['mylib::paged_attention'], got {value!r}."
                     )
                 options[key] = validate_op_names(tuple(value), key)
+        for key in ("max_graph_memory", "max_captured_sizes"):
+            if options.get(key) is not None:
+                _check_int(options[key], key, minimum=0, hint="or None for no cap")
+        _check_sizes(options)
         return cls(**options)
+
+
+def _check_int(value, key: str, minimum: int, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"piecewise backend: option {key!r} must be an int >= {minimum}"
+                         f"{' ' + hint if hint else ''}, got {value!r}.")
+
+
+def _size_list(value, key: str) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset, range)):
+        raise TypeError(f"piecewise backend: option {key!r} must be a list of batch sizes like [1, 2, 4, 8], "
+                        f"got {value!r}.")
+    bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 1]
+    if bad:
+        raise ValueError(f"piecewise backend: option {key!r} holds {bad!r}; sizes must be ints >= 1.")
+    return tuple(sorted(set(value)))
+
+
+def _check_sizes(options: dict) -> None:
+    """Normalise capture_sizes / max_capture_size / eager_capture_sizes in place."""
+    sizes = options.get("capture_sizes", "default")
+    max_size = options.get("max_capture_size")
+    if max_size is not None:
+        _check_int(max_size, "max_capture_size", minimum=1)
+    if isinstance(sizes, str):
+        resolved = scheme_sizes(sizes, max_size or 512)  # raises on an unknown scheme
+    else:
+        resolved = _size_list(sizes, "capture_sizes")
+        if not resolved:
+            raise ValueError("piecewise backend: option 'capture_sizes' is empty; give at least one size, "
+                             "or set cudagraphs=False for no graphs.")
+        if max_size is not None and max_size != resolved[-1]:
+            raise ValueError(f"piecewise backend: max_capture_size={max_size} contradicts capture_sizes "
+                             f"(largest {resolved[-1]}); with a list, leave max_capture_size out.")
+        options["capture_sizes"] = resolved
+    eager = options.get("eager_capture_sizes", ())
+    if eager == "all":
+        return
+    eager = _size_list(eager, "eager_capture_sizes") if not isinstance(eager, str) else None
+    if eager is None:
+        raise ValueError(f"piecewise backend: option 'eager_capture_sizes' must be a list of capture "
+                         f"sizes or 'all', got {options['eager_capture_sizes']!r}.")
+    missing = [s for s in eager if s not in resolved]
+    if missing:
+        raise ValueError(f"piecewise backend: eager_capture_sizes {missing} are not capture sizes; "
+                         f"capture sizes are {_short(resolved)}.")
+    options["eager_capture_sizes"] = eager
+
+
+def _short(sizes: tuple[int, ...]) -> str:
+    return str(list(sizes)) if len(sizes) <= 12 else f"[{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}]"

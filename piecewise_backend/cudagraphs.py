@@ -19,6 +19,10 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   the address is already right.
 * **Outputs.** Outputs the user sees are cloned out of the pool unless ``clone_outputs=False``: the
   next replay would overwrite them (torch raises on that, vLLM silently aliases).
+* **Padding.** A key's batch size may be larger than the caller's (a batch of 5 replays the graph
+  of 8): inputs are copied into the first rows of the captured buffers, outputs are handed back as
+  their first rows. Outputs of one captured piece feed the next at full size, so a step pads once
+  (user inputs and eager outputs are copied in anyway), not once per piece. See ``padding.py``.
 * **Loud fallback.** A capture that fails warns once with the reason and the piece runs compiled
   but un-graphed for that key.
 """
@@ -34,11 +38,97 @@ from typing import Any, Callable
 import torch
 
 from . import _torch_internals
+from .padding import PiecePadding, evaluate
 from .stats import PieceStats
 
 log = logging.getLogger("piecewise_backend")
 
 _POOLS: dict[int, Any] = {}
+_RETIRED_POOLS: list = []  # (device index, handle, keeper) of pools given up after a failed capture
+
+# Tests only: run the runners' capture/replay/padding logic on CPU with _EmulatedGraph standing in
+# for torch.cuda.CUDAGraph, so CI (no GPU) checks padding, slicing and capture policy against eager.
+EMULATE_ON_CPU = False
+
+
+class _EmulatedGraph:
+    """A CPU stand-in for a CUDA graph: replay re-runs the piece on the captured input buffers and
+    copies the results into the captured outputs, so addresses stay fixed exactly as a graph's do."""
+
+    def __init__(self, fn: Callable, args: list):
+        self.fn, self.args = fn, args
+        self.outputs = _as_tuple(fn(*args))
+
+    def replay(self) -> None:
+        flat = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
+        fresh = _as_tuple(self.fn(*self.args))
+        for old, new in zip(flat, fresh if isinstance(fresh, tuple) else (fresh,)):
+            if isinstance(old, torch.Tensor):
+                old.copy_(new)
+
+
+def _as_tuple(outputs):
+    """Compiled pieces return a *list* of outputs (AOTAutograd); treat it like split_module's tuple.
+
+    (Treating the list as one opaque output kept every captured output alive and hid them from the
+    next piece, which then copied its input at every replay.)
+    """
+    return tuple(outputs) if isinstance(outputs, list) else outputs
+
+
+def _alias(t: torch.Tensor, size=None) -> torch.Tensor:
+    """A weak alias of pool memory on CUDA; a plain view when emulating on CPU."""
+    if t.is_cuda:
+        return _torch_internals.non_owning_alias(t, size)
+    return t.as_strided(size if size is not None else t.shape, t.stride(), t.storage_offset())
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _capture_stream(index: int) -> torch.cuda.Stream:
+    """The one side stream every capture (and the warm-up before it) runs on, per device.
+
+    ``torch.cuda.graph`` takes a fresh stream per capture. cuBLAS keeps a workspace per stream, and
+    the first matmul on a new stream allocates it, inside the capture, so from the graph pool and
+    for good: on the H200 that was about 1 GB of pool for one size of a 16-layer model. One stream,
+    warmed up outside capture, allocates it once, outside the pool.
+    """
+    if index not in _CAPTURE_STREAMS:
+        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _CAPTURE_STREAMS[index]
+
+
+def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], Any], warmup_runs: int = 0,
+                           device_index: int | None = None):
+    """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` (memory from ``pool``), on
+    the device's capture stream; return the captured call's result.
+
+    What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
+    (seconds per size in vLLM's measurements) and its new stream per capture. ``capture_end``
+    always runs: a capture left open poisons every later one.
+    """
+    side = _capture_stream(torch.cuda.current_device() if device_index is None else device_index)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_runs):
+            fn()
+        graph.capture_begin(pool=pool)
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return result
 
 
 def shared_graph_pool(device: torch.device):
@@ -50,20 +140,52 @@ def shared_graph_pool(device: torch.device):
     pinned-host allocator; a ``torch.cuda.MemPool`` keeps only the device side alive). So the pool
     is opened with a one-kernel *keeper* graph that this module holds for the life of the process.
     """
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = _device_index(device)
     if index not in _POOLS:
         with torch.cuda.device(index):
             handle = torch.cuda.graph_pool_handle()
             keeper = torch.cuda.CUDAGraph()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                keeper.capture_begin(pool=handle)
-                torch.zeros(1, device=f"cuda:{index}").add_(1)
-                keeper.capture_end()
-            torch.cuda.current_stream().wait_stream(side)
+            capture_on_side_stream(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{index}").add_(1),
+                                   device_index=index)
             _POOLS[index] = (handle, keeper)
     return _POOLS[index][0]
+
+
+def recover_after_failed_capture(device: torch.device) -> None:
+    """Leave no trace of a capture that raised, so later captures work.
+
+    A failed capture can leave the allocator recording into the pool and the CUDA RNG in capture
+    mode (then any random op raises "Offset increment outside graph capture encountered
+    unexpectedly"; seen on torch 2.11). We stop the recording, retire the pool (graphs already
+    captured in it keep working: their memory stays reserved) and open a fresh one right away:
+    its keeper capture is a capture that succeeds, which puts the RNG state back.
+    """
+    index = _device_index(device)
+    entry = _POOLS.pop(index, None)
+    if entry is None:
+        return
+    _RETIRED_POOLS.append((index, *entry))
+    _torch_internals.stop_pool_recording(index, entry[0])
+    torch.cuda.synchronize(index)
+    shared_graph_pool(device)
+
+
+def pool_bytes(device: torch.device | int | None = None) -> int:
+    """Bytes the CUDA allocator holds for this package's graph pools on ``device`` (0 if none yet).
+
+    Measured, not estimated: the sum of the pools' segments in ``torch.cuda.memory_snapshot()``.
+    Segments stay with the pool once allocated, so this is its high-water mark.
+    """
+    if not torch.cuda.is_available():
+        return 0
+    index = device if isinstance(device, int) else _device_index(device or torch.device("cuda"))
+    handles = {tuple(h) for i, h, _ in _RETIRED_POOLS if i == index}
+    if index in _POOLS:
+        handles.add(tuple(_POOLS[index][0]))
+    if not handles:
+        return 0
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in handles)
 
 
 @dataclasses.dataclass
@@ -71,7 +193,11 @@ class StepState:
     """What the stitched graph tells every runner about the current call."""
 
     graphing: bool = False
-    key: tuple = ()
+    key: tuple = ()  # the shape key of the graphs to replay or capture
+    size: int | None = None  # the caller's batch size when it is padded up to the key's
+    key_size: int | None = None  # the key's batch size (what the graphs are captured at)
+    padded: bool = False
+    sym_values: dict = dataclasses.field(default_factory=dict)  # symbol -> value at the key (capture only)
     pool_ptrs: set = dataclasses.field(default_factory=set)  # outputs captured during this call
 
 
@@ -80,7 +206,15 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     checks: list  # (arg index, captured buffer, captured data_ptr) for every tensor input
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
+    scalars: dict = dataclasses.field(default_factory=dict)  # non-tensor args captured with (index -> value)
     moved_static: set = dataclasses.field(default_factory=set)
+    views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
+
+
+def _fits_in_storage(t: torch.Tensor, size) -> bool:
+    """Would ``t`` with shape ``size`` (same strides and offset) stay inside its storage?"""
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(size, t.stride()) if n > 0)
+    return last < t.untyped_storage().nbytes() // t.element_size()
 
 
 class PieceRunner:
@@ -90,20 +224,25 @@ class PieceRunner:
         name: submodule name in the split graph.
         fn: the Inductor-compiled piece, called with positional args.
         static_args: indices of args that are parameters/buffers (fixed addresses).
+        written_args: the static args the piece writes (full mode: a KV-cache buffer).
         escaping_outputs: indices of outputs the user sees (cloned out of the pool).
         step: the state the stitched graph shares with its runners.
+        padding: which dims to pad, if the graph is padded (see ``padding.py``).
     """
 
     def __init__(self, name: str, fn: Callable, static_args: frozenset, escaping_outputs: frozenset,
-                 step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool):
+                 step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
+                 padding: PiecePadding | None = None, written_args: frozenset = frozenset()):
         self.name = name
         self.fn = fn
         self.static_args = static_args
+        self.written_args = written_args
         self.escaping_outputs = escaping_outputs
         self.step = step
         self.stats = stats
         self.warmup_runs = warmup_runs
         self.clone_outputs = clone_outputs
+        self.padding = padding
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
 
@@ -115,15 +254,34 @@ class PieceRunner:
         captured = self.captures.get(step.key)
         if captured is None:
             return self._capture(step.key, args)
-        for i, buf, ptr in captured.checks:
+        checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
+            else (captured.checks, captured.outputs)
+        for i, buf, ptr in checks:
             arg = args[i]
             if arg.data_ptr() != ptr:
+                if i in self.written_args:
+                    return self._drop_moved_written(step.key, i, args)
                 self._copy_in(captured, i, buf, arg)
         captured.graph.replay()
         self.stats.replays += 1
-        return self._user_outputs(captured.outputs)
+        return self._user_outputs(outputs)
 
     # -- replay helpers ---------------------------------------------------------------------------
+
+    def _slice(self, captured: _Captured, size: int):
+        """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
+        pad = self.padding
+        checks = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr)
+                  for i, buf, ptr in captured.checks]
+        outputs = self._narrow_outputs(captured.outputs, size)
+        captured.views[size] = (checks, outputs)
+        return checks, outputs
+
+    def _narrow_outputs(self, outputs, size: int):
+        flat = outputs if isinstance(outputs, tuple) else (outputs,)
+        dims = self.padding.out_dims
+        cut = tuple(o.narrow(dims[j], 0, size) if dims[j] is not None else o for j, o in enumerate(flat))
+        return cut if isinstance(outputs, tuple) else cut[0]
 
     def _copy_in(self, captured: _Captured, i: int, buf: torch.Tensor, arg: torch.Tensor) -> None:
         if i in self.static_args and i not in captured.moved_static:
@@ -134,6 +292,17 @@ class PieceRunner:
                 f"replacing or moving its weights (torch._dynamo.reset()).", stacklevel=3)
         buf.copy_(arg)
         self.stats.input_copies += 1
+
+    def _drop_moved_written(self, key: tuple, i: int, args: tuple):
+        """A buffer the graph writes has a new address: the graph would write the old one."""
+        del self.captures[key]
+        self.failed_keys.add(key)
+        reason = (f"buffer input {i}, which the graph writes, moved since capture at shape key {key}; "
+                  f"running un-graphed (recompile after replacing buffers: torch._dynamo.reset())")
+        self.stats.failures.append(reason)
+        warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
+        self.stats.ungraphed_runs += 1
+        return self.fn(*args)
 
     def _user_outputs(self, outputs):
         if not (self.clone_outputs and self.escaping_outputs):
@@ -148,15 +317,16 @@ class PieceRunner:
     def _capture(self, key: tuple, args: tuple):
         start = time.perf_counter()
         try:
-            for _ in range(self.warmup_runs):
-                self.fn(*args)
-            captured, outputs = self._record(args)
+            capture_args, checks = self._capture_inputs(args)
+            captured, outputs = self._record(capture_args, checks)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
             reason = f"capture at shape key {key} failed ({type(exc).__name__}: {exc}); running un-graphed"
             self.failed_keys.add(key)
             self.stats.failures.append(reason)
             warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
-            torch.cuda.synchronize()
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+            if device is not None and device.type == "cuda":
+                recover_after_failed_capture(device)
             self.stats.ungraphed_runs += 1
             return self.fn(*args)
         self.captures[key] = captured
@@ -164,47 +334,75 @@ class PieceRunner:
         self.stats.captures += 1
         self.stats.capture_seconds += elapsed
         self.stats.keys.append(key)
-        log.info("piecewise: captured %s at shape key %s in %.1f ms", self.name, key, elapsed * 1e3)
+        log.debug("piecewise: captured %s at shape key %s in %.1f ms", self.name, key, elapsed * 1e3)
+        if self.step.padded:
+            outputs = self._narrow_outputs(outputs, self.step.size)
         return self._user_outputs(outputs)
 
-    def _record(self, args: tuple):
+    def _capture_inputs(self, args: tuple) -> tuple[list, list]:
+        """The args to capture with, and (index, buffer, address) of every tensor input to check."""
         step = self.step
-        capture_args = list(args)
-        checks = []
-        device = None
+        pad = self.padding if step.padded else None
+        capture_args, checks = list(args), []
         for i, arg in enumerate(args):
+            if pad is not None and i in pad.scalar_exprs:
+                capture_args[i] = evaluate(pad.scalar_exprs[i], step.sym_values)
             if not isinstance(arg, torch.Tensor):
                 continue
-            device = device or arg.device
+            dim = pad.arg_dims.get(i) if pad is not None else None
+            size = list(arg.shape)
+            if dim is not None:
+                size[dim] = step.key_size
             if i in self.static_args:
                 buf = arg  # parameters keep their address; held strongly like the model does
-            elif arg.data_ptr() in step.pool_ptrs:
-                buf = _torch_internals.non_owning_alias(arg)  # an earlier piece's captured output
+            elif arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
+                # an earlier piece's captured output (the first rows of it, when padded)
+                buf = _alias(arg, size)
+                capture_args[i] = buf if dim is not None else arg
             else:
-                buf = arg.clone(memory_format=torch.preserve_format)  # a buffer this runner owns
+                buf = self._owned_buffer(arg, i, size, dim, pad)
                 capture_args[i] = buf
             checks.append((i, buf, buf.data_ptr()))
+        return capture_args, checks
 
-        graph = torch.cuda.CUDAGraph()
-        pool = shared_graph_pool(device or torch.device("cuda"))
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            graph.capture_begin(pool=pool)
-            try:
-                outputs = self.fn(*capture_args)
-            finally:
-                graph.capture_end()  # always: a capture left open poisons every later one
-        torch.cuda.current_stream().wait_stream(side)
-        graph.replay()  # capture does not run kernels; this call's outputs come from a replay
+    def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim, pad) -> torch.Tensor:
+        """A buffer this runner owns, holding ``arg`` (in its first rows when padded).
+
+        Strides are the ones the compiled piece expects (its fake input's, at the key's size);
+        the storage offset is dropped: compiled code reads through the data pointer.
+        """
+        if dim is None:
+            buf = torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device)
+            buf.copy_(arg)
+            return buf
+        strides = [evaluate(s, self.step.sym_values) for s in pad.arg_strides[i]]
+        buf = torch.empty_strided(size, strides, dtype=arg.dtype, device=arg.device)
+        buf.zero_()  # padded rows must hold valid values (an index tensor's garbage could be out of range)
+        buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
+        return buf
+
+    def _record(self, capture_args: list, checks: list):
+        step = self.step
+        device = next((buf.device for _, buf, _ in checks), torch.device("cuda"))
+        if device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            outputs = _as_tuple(capture_on_side_stream(graph, shared_graph_pool(device), lambda: self.fn(*capture_args),
+                                                       self.warmup_runs, _device_index(device)))
+            graph.replay()  # capture does not run kernels; this call's outputs come from a replay
+        else:
+            for _ in range(self.warmup_runs):
+                self.fn(*capture_args)
+            graph = _EmulatedGraph(self.fn, capture_args)
+            outputs = graph.outputs
 
         flat = outputs if isinstance(outputs, tuple) else (outputs,)
         aliases = []
         for o in flat:
-            if isinstance(o, torch.Tensor) and o.is_cuda:
+            if isinstance(o, torch.Tensor):
                 step.pool_ptrs.add(o.data_ptr())
-                aliases.append(_torch_internals.non_owning_alias(o))
+                aliases.append(_alias(o))
             else:
                 aliases.append(o)
         stored = tuple(aliases) if isinstance(outputs, tuple) else aliases[0]
-        return _Captured(graph, checks, stored), outputs
+        scalars = {i: a for i, a in enumerate(capture_args) if not isinstance(a, torch.Tensor)}
+        return _Captured(graph, checks, stored, scalars), outputs

@@ -45,6 +45,7 @@ class PieceSpec:
     split_ops: tuple[str, ...]  # splitting ops it holds
     eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
     num_ops: int
+    writes_inputs: tuple[str, ...] = ()  # graph inputs (parameters/buffers) a compute piece writes
 
     @property
     def graphed_kind(self) -> bool:
@@ -56,16 +57,17 @@ class SplitGraph:
     graph_module: torch.fx.GraphModule
     pieces: list[PieceSpec]
     step_symbols: frozenset
+    compute_nodes: tuple = ()  # nodes of the original graph that run in compute pieces
 
     def piece(self, name: str) -> PieceSpec:
         return next(p for p in self.pieces if p.name == name)
 
 
 def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
-              forced_eager: dict) -> tuple[dict, dict]:
+              forced_eager: dict, writable: frozenset) -> tuple[dict, dict]:
     """Kind of every op node, and a reason string for each eager one."""
     roots = facts.alias_roots(graph)
-    input_roots = {n for n in graph.nodes if n.op == "placeholder"}
+    input_roots = {n for n in graph.nodes if n.op == "placeholder" and n.name not in writable}
     kinds: dict = {}
     reasons: dict = dict(forced_eager)
     for node in graph.nodes:
@@ -170,7 +172,7 @@ def _partition(graph: torch.fx.Graph, kinds: dict) -> dict:
     return part
 
 
-def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict) -> dict:
+def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writable: frozenset) -> dict:
     """Compute nodes that write memory owned by another partition: they must run eagerly."""
     roots = facts.alias_roots(graph)
     bad = {}
@@ -179,6 +181,8 @@ def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict) -> d
             continue
         for m in facts.mutated_inputs(node):
             owner = roots[m]
+            if owner.op == "placeholder" and owner.name in writable:
+                continue  # a fixed-address buffer: the captured graph writes the caller's tensor
             if part.get(owner) != part[node]:
                 bad[node] = f"{display_name(node)}: writes {owner.name}, which another piece owns"
     return bad
@@ -207,19 +211,25 @@ def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str]) 
     split_gm.recompile()  # no dead-code elimination: eager pieces may exist only for their writes
 
 
-def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> SplitGraph:
-    """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces."""
+def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
+                writable_inputs: frozenset = frozenset()) -> SplitGraph:
+    """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces.
+
+    ``writable_inputs``: names of graph inputs that compute pieces may write in place (full mode
+    passes the parameters/buffers: their addresses are fixed, so a captured write lands in the
+    caller's tensor). Writes to any other input run eagerly.
+    """
     graph = gm.graph
     steps = facts.step_symbols(graph)
     forced: dict = {}
     for _ in range(8):  # cross-piece writes force nodes eager; a few rounds reach a fixed point
-        kinds, reasons = _classify(graph, splitting_ops, steps, forced)
+        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs)
         for n in forced:
             kinds[n] = EAGER
         _hoist(graph, kinds)
         _sink(graph, kinds)
         part = _partition(graph, kinds)
-        bad = _cross_partition_writes(graph, kinds, part)
+        bad = _cross_partition_writes(graph, kinds, part, writable_inputs)
         if not bad:
             break
         forced.update(bad)
@@ -231,13 +241,18 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str]) -> Spli
     members: dict[int, list] = {}
     for node, pid in part.items():
         members.setdefault(pid, []).append(node)
+    roots = facts.alias_roots(graph)
     pieces = []
     for index, node in enumerate(n for n in split_gm.graph.nodes if n.op == "call_module"):
         pid = int(str(node.target).rsplit("_", 1)[1])
         group = members[pid]
         split_ops = tuple(display_name(n) for n in group if kinds[n] == SPLIT)
         kind = SPLIT if split_ops else (EAGER if kinds[group[0]] == EAGER else COMPUTE)
+        written = () if kind != COMPUTE else tuple(dict.fromkeys(
+            roots[m].name for n in group for m in facts.mutated_inputs(n) if roots[m].op == "placeholder"))
         pieces.append(PieceSpec(
             name=str(node.target), index=index, kind=kind, split_ops=split_ops,
-            eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group)))
-    return SplitGraph(split_gm, pieces, steps)
+            eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group),
+            writes_inputs=written))
+    compute_nodes = tuple(n for n, k in kinds.items() if k == COMPUTE)
+    return SplitGraph(split_gm, pieces, steps, compute_nodes)

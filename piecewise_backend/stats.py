@@ -2,10 +2,13 @@
 
 One :class:`GraphStats` per compiled Dynamo graph; :func:`process_stats` sums them all. Reasons are
 strings you can print ("graphs need CUDA tensors; inputs are on cpu"), not booleans.
+:meth:`GraphStats.rows` and :func:`capture_table` give one row per captured size, for a notebook
+(``pandas.DataFrame(rows)``) or a plain table (:meth:`GraphStats.table`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import weakref
 
@@ -22,10 +25,24 @@ class PieceStats:
     failures: list = dataclasses.field(default_factory=list)  # reasons a capture failed
 
 
+@dataclasses.dataclass(frozen=True)
+class CaptureEvent:
+    """One size captured across all pieces of a graph."""
+
+    key: tuple  # the shape key (batch size as captured, after padding)
+    how: str  # "lazy" (first sight in a call) or "eager" (up front / capture())
+    seconds: float  # wall time of the capturing step (warm-up, capture and replay of every piece)
+    pool_bytes: int  # graph pool bytes after it (measured by the CUDA allocator)
+    pool_growth: int  # bytes the pool grew by
+    pieces: int  # pieces captured (pieces whose capture failed run un-graphed at this key)
+    call: int  # the graph's call count when it happened (eager captures of the first call: 1)
+
+
 @dataclasses.dataclass(eq=False)  # identity semantics: kept in a WeakSet
 class GraphStats:
     """Stats of one compiled Dynamo graph."""
 
+    serial: int = 0  # the CompiledGraph's serial number
     num_pieces: int = 0
     num_compute_pieces: int = 0
     num_split_pieces: int = 0
@@ -33,7 +50,12 @@ class GraphStats:
     inductor_seconds: float = 0.0
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
+    padding: str = ""  # what is padded, or why nothing is
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
+    events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
+    batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
+    misses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls run un-graphed, by reason
+    miss_details: dict = dataclasses.field(default_factory=dict)  # reason -> the last full message
 
     @property
     def captures(self) -> int:
@@ -48,22 +70,60 @@ class GraphStats:
         return sum(p.ungraphed_runs for p in self.pieces.values())
 
     @property
+    def capture_seconds(self) -> float:
+        return sum(e.seconds for e in self.events)
+
+    @property
+    def pool_bytes(self) -> int:
+        """Graph pool bytes after this graph's last capture (0 before any)."""
+        return self.events[-1].pool_bytes if self.events else 0
+
+    @property
     def captured_keys(self) -> set:
         return {k for p in self.pieces.values() for k in p.keys}
+
+    @property
+    def failed_captures(self) -> int:
+        return sum(len(p.failures) for p in self.pieces.values())
+
+    def rows(self) -> list[dict]:
+        """One dict per captured size: key, how, seconds, pool MiB, growth MiB, pieces."""
+        return [{"key": e.key, "how": e.how, "capture_ms": round(e.seconds * 1e3, 1),
+                 "pool_mib": round(e.pool_bytes / 2**20, 1), "growth_mib": round(e.pool_growth / 2**20, 1),
+                 "pieces": e.pieces, "call": e.call} for e in self.events]
+
+    def table(self) -> str:
+        """:meth:`rows` as a fixed-width text table."""
+        return format_table(self.rows())
 
     def summary(self) -> str:
         lines = [
             f"pieces: {self.num_pieces} ({self.num_compute_pieces} compute, {self.num_split_pieces} split/eager); "
             f"Inductor compiles: {self.inductor_compiles} in {self.inductor_seconds:.1f} s; calls: {self.calls}",
-            f"captures: {self.captures} for shape keys {sorted(self.captured_keys)}; replays: {self.replays}; "
+            f"captures: {self.captures} for shape keys {sorted(self.captured_keys)} in "
+            f"{self.capture_seconds:.2f} s; graph pool {self.pool_bytes / 2**20:.1f} MiB; replays: {self.replays}; "
             f"un-graphed runs: {self.ungraphed_runs}",
         ]
+        if self.padding:
+            lines.append(f"padding: {self.padding}")
         if self.graphs_disabled_reason:
             lines.append(f"CUDA graphs off: {self.graphs_disabled_reason}")
+        for reason, count in self.misses.items():
+            lines.append(f"un-graphed calls, {reason}: {count} ({self.miss_details.get(reason, reason)})")
         for p in self.pieces.values():
             for reason in p.failures:
                 lines.append(f"{p.name}: {reason}")
         return "\n".join(lines)
+
+
+def format_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no captures)"
+    cols = list(rows[0])
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*cols)] + [fmt.format(*row) for row in cells])
 
 
 _ALL: "weakref.WeakSet[GraphStats]" = weakref.WeakSet()
@@ -74,13 +134,29 @@ def register(stats: GraphStats) -> GraphStats:
     return stats
 
 
+def capture_table() -> str:
+    """Every live graph's captures as one text table (a notebook can ``print`` it)."""
+    rows = [{"graph": g.serial, **row} for g in sorted(_ALL, key=lambda g: g.serial) for row in g.rows()]
+    return format_table(rows)
+
+
 def process_stats() -> dict:
-    """Totals over every live compiled graph in this process."""
+    """Totals over every live compiled graph in this process (pool bytes: the shared pool, now)."""
+    from .cudagraphs import pool_bytes  # measured by the allocator at call time
+
     graphs = list(_ALL)
+    misses: collections.Counter = collections.Counter()
+    for g in graphs:
+        misses.update(g.misses)
     return {
         "graphs": len(graphs),
         "inductor_compiles": sum(g.inductor_compiles for g in graphs),
+        "inductor_seconds": sum(g.inductor_seconds for g in graphs),
         "captures": sum(g.captures for g in graphs),
+        "captured_sizes": sum(len(g.events) for g in graphs),
+        "capture_seconds": sum(g.capture_seconds for g in graphs),
         "replays": sum(g.replays for g in graphs),
         "ungraphed_runs": sum(g.ungraphed_runs for g in graphs),
+        "misses": dict(misses),
+        "pool_bytes": pool_bytes(),
     }

@@ -10,6 +10,8 @@ every decode step, and a naive split would bake it into the captured pieces and 
   arguments* (user inputs that the graph mutates), to exercise that path.
 - :class:`ToyCustomAttentionLlama`: ToyLlama whose attention is a user op registered with
   ``torch.library.custom_op`` (``toyattn::attention``), split on by name.
+- :class:`ToyStaticCacheLlama`: the graph-safe way (tensor positions, ``index_copy_`` cache write,
+  masked attention over the whole cache), for ``mode="full"``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "ToyLlama",
     "ToyGPT",
     "ToyCustomAttentionLlama",
+    "ToyStaticCacheLlama",
     "decode_loop",
     "init_weights_",
     "reset_caches",
@@ -118,11 +121,31 @@ class LlamaMLP(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
+class StaticCacheAttention(LlamaAttention):
+    """Graph-safe attention (HF "static cache" style): the position is a tensor, the cache write is
+    an ``index_copy_`` at it, and attention spans the whole cache under a mask. Nothing depends on
+    a Python int, so the whole step can be one CUDA graph (``mode="full"``)."""
+
+    def forward(self, x, cos, sin, cache_position: torch.Tensor):
+        B, S, _ = x.shape
+        nh, hd = self.cfg.heads, self.cfg.head_dim
+        q = self.q_proj(x).view(B, S, nh, hd).transpose(1, 2)
+        k = self.k_proj(x).view(B, S, nh, hd).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, nh, hd).transpose(1, 2)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        self.k_cache[:B].index_copy_(2, cache_position, k)
+        self.v_cache[:B].index_copy_(2, cache_position, v)
+        mask = torch.arange(self.cfg.max_seq, device=x.device) <= cache_position.view(-1, 1)
+        o = F.scaled_dot_product_attention(q, self.k_cache[:B], self.v_cache[:B], attn_mask=mask)
+        return self.o_proj(o.transpose(1, 2).reshape(B, S, nh * hd))
+
+
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ToyConfig, attention=sdpa):
+    def __init__(self, cfg: ToyConfig, attention=sdpa, attn_cls=LlamaAttention):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden)
-        self.attn = LlamaAttention(cfg, attention)
+        self.attn = attn_cls(cfg, attention)
         self.mlp_norm = RMSNorm(cfg.hidden)
         self.mlp = LlamaMLP(cfg)
 
@@ -152,6 +175,23 @@ class ToyLlama(nn.Module):
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, pos)
+        return self.lm_head(self.norm(x))
+
+
+class ToyStaticCacheLlama(ToyLlama):
+    """``forward(input_ids [B, S], cache_position [S] long) -> logits``: ToyLlama with
+    :class:`StaticCacheAttention`, for full-graph mode."""
+
+    def __init__(self, cfg: ToyConfig = ToyConfig()):
+        super().__init__(cfg)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, attn_cls=StaticCacheAttention) for _ in range(cfg.layers))
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        cos = self.cos_cached[cache_position]
+        sin = self.sin_cached[cache_position]
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache_position)
         return self.lm_head(self.norm(x))
 
 

@@ -46,3 +46,59 @@ def assert_close_steps(actual, expected, atol=1e-4, rtol=1e-4):
     assert len(actual) == len(expected)
     for i, (a, e) in enumerate(zip(actual, expected)):
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"step {i}: {m}")
+
+
+def graphs_since(serial: int):
+    """Graphs compiled after the graph numbered ``serial`` (0: all), oldest first."""
+    import piecewise_backend
+
+    return [g for g in piecewise_backend.compiled_graphs() if g.serial > serial]
+
+
+def last_serial() -> int:
+    import piecewise_backend
+
+    graphs = piecewise_backend.compiled_graphs()
+    return graphs[-1].serial if graphs else 0
+
+
+def decode_at_sizes(compiled, reference, sizes, steps: int = 2, device="cpu", static_cache=False, seed=0,
+                    start_pos: int = 0):
+    """Decode steps at each batch size in ``sizes`` through ``compiled`` and through ``reference``
+    (an identical eager copy), marking the batch dynamic; returns (size, compiled out, eager out).
+
+    ``static_cache``: the model takes a position tensor (ToyStaticCacheLlama) instead of an int.
+    """
+    g = torch.Generator().manual_seed(seed)
+    results, pos = [], start_pos
+    for size in sizes:
+        for _ in range(steps):
+            ids = torch.randint(0, reference.cfg.vocab, (size, 1), generator=g).to(device)
+            if size > 1:  # Dynamo specialises size 1 anyway (and may refuse to mark it)
+                torch._dynamo.mark_dynamic(ids, 0)
+            where = torch.tensor([pos], device=device) if static_cache else pos
+            results.append((size, compiled(ids, where).clone(), reference(ids, where).clone()))
+            pos += 1
+    return results
+
+
+def assert_results_close(results, atol=1e-4, rtol=1e-4):
+    for i, (size, actual, expected) in enumerate(results):
+        assert actual.shape == expected.shape, (size, actual.shape, expected.shape)
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
+                                   msg=lambda m: f"call {i} (batch {size}): {m}")
+
+
+class Encoder(torch.nn.Module):
+    """Self-attention within each sequence, no cache: graph-safe and row-independent across the
+    batch, so full mode captures it whole and pads it."""
+
+    def __init__(self, h=64, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(h, 3 * h), torch.nn.Linear(h, h), heads
+
+    def forward(self, x):
+        B, S, H = x.shape
+        q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, S, H))

@@ -1,0 +1,145 @@
+"""Which captured graph serves a call: capture sizes, padding, lazy vs eager capture, a budget.
+
+The seed RFC's trade-off: capturing every size up front costs seconds and memory nobody planned
+for; capturing lazily makes latency and memory unpredictable. So every knob is explicit and this
+module turns them into one :class:`Plan` per call, which the stitched graph caches per shape key (a
+decode loop pays one dict lookup per step for it).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+
+from .config import PiecewiseConfig
+
+ABOVE_MAX = "above the largest capture size"
+NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
+NOT_CAPTURED = "not captured and lazy_capture=False"
+OVER_BUDGET = "over the capture budget"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What one call does.
+
+    Attributes:
+        key: shape key of the graphs to replay or capture (batch size rounded up to a capture size);
+            None when the call runs un-graphed.
+        size: the caller's batch size, which outputs are sliced back to.
+        padded: the key's batch size is larger than the caller's.
+        capture: no graph exists for ``key`` yet; this call captures it.
+        miss: why the call runs un-graphed: one of this module's reason strings (stats count by it).
+        detail: the reason with its numbers, for people.
+    """
+
+    key: tuple | None
+    size: int | None = None
+    padded: bool = False
+    capture: bool = False
+    miss: str | None = None
+    detail: str | None = None
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class CaptureBudget:
+    """Caps on graph-pool bytes and on the number of captured sizes.
+
+    Bytes are what the CUDA allocator says the pool holds, measured after each capture. Before a
+    capture we only know an estimate: the most bytes per batch row any earlier capture of this graph
+    added to the pool, times the new size (0 for the first capture: it is allowed while the pool is
+    under the cap, and its real cost is measured and reported).
+    """
+
+    def __init__(self, max_bytes: int | None, max_sizes: int | None):
+        self.max_bytes = max_bytes
+        self.max_sizes = max_sizes
+        self.bytes_per_row = 0.0
+
+    @property
+    def needs_pool_bytes(self) -> bool:
+        return self.max_bytes is not None
+
+    def refusal(self, size: int | None, captured: int, pool_bytes: int) -> str | None:
+        """Why capturing one more size (``size`` rows) is refused, or None if it is allowed."""
+        if self.max_sizes is not None and captured >= self.max_sizes:
+            return f"{captured} sizes captured, max_captured_sizes={self.max_sizes}"
+        if self.max_bytes is not None:
+            estimate = self.bytes_per_row * (size or 1)
+            if pool_bytes + estimate > self.max_bytes:
+                return (f"graph pool holds {_mib(pool_bytes)}, a capture of size {size} adds about "
+                        f"{_mib(estimate)}, max_graph_memory={_mib(self.max_bytes)}")
+        return None
+
+    def record(self, size: int | None, growth: int) -> None:
+        if growth > 0:
+            self.bytes_per_row = max(self.bytes_per_row, growth / (size or 1))
+
+
+class CapturePolicy:
+    """Turns a call's shape key into a :class:`Plan`.
+
+    Args:
+        config: the validated options.
+        pad_position: index in the shape key of the padded (leading dynamic) size, or None when the
+            graph has none (a graph Dynamo specialised to one batch size: its one key is captured
+            as is).
+        no_padding_reason: why this graph cannot be padded (None if it can).
+    """
+
+    def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None):
+        self.sizes = config.sizes
+        self.pad_position = pad_position
+        self.padding = config.padding and no_padding_reason is None
+        self.no_padding_reason = no_padding_reason if config.padding else "padding=False in options"
+        self.lazy = config.lazy_capture
+        self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
+
+    def bucket(self, size: int) -> int | None:
+        """The capture size that serves ``size`` if it were captured (ignoring what is)."""
+        if size > self.sizes[-1]:
+            return None
+        if self.padding:
+            return self.sizes[bisect.bisect_left(self.sizes, size)]
+        return size if size in self.sizes else None
+
+    def with_size(self, key: tuple, size: int) -> tuple:
+        p = self.pad_position
+        return key[:p] + (size,) + key[p + 1:]
+
+    def plan(self, key: tuple, captured: set, pool_bytes) -> Plan:
+        """The plan for ``key`` given the keys already ``captured``.
+
+        ``pool_bytes`` is a callable (measuring the pool costs a snapshot; only done when a memory
+        cap exists and a capture is being considered).
+        """
+        if self.pad_position is None:
+            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes)
+        size = key[self.pad_position]
+        bucket = self.bucket(size)
+        if bucket is None:
+            if size > self.sizes[-1]:
+                return Plan(None, size, miss=ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
+            return Plan(None, size, miss=NOT_A_CAPTURE_SIZE, detail=f"size {size}: {self.no_padding_reason}")
+        bucket_key = self.with_size(key, bucket)
+        if bucket_key in captured:
+            return Plan(bucket_key, size, padded=bucket != size)
+        if not self.lazy:
+            for larger in self.sizes[bisect.bisect_left(self.sizes, bucket):] if self.padding else ():
+                larger_key = self.with_size(key, larger)
+                if larger_key in captured:
+                    return Plan(larger_key, size, padded=larger != size)
+            return Plan(None, size, miss=NOT_CAPTURED, detail=f"no captured size >= {size}")
+        return self.admit(bucket_key, captured, pool_bytes, size)
+
+    def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None) -> Plan:
+        """Plan to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing."""
+        bucket = key[self.pad_position] if self.pad_position is not None else None
+        size = bucket if size is None else size
+        refusal = self.budget.refusal(bucket, len(captured), pool_bytes() if self.budget.needs_pool_bytes else 0)
+        if refusal:
+            return Plan(None, size, miss=OVER_BUDGET, detail=refusal)
+        return Plan(key, size, padded=bucket != size, capture=True)

@@ -1,0 +1,208 @@
+"""Padding, slicing, eager/lazy capture, budgets and full mode, end to end on CPU.
+
+CUDA graphs need a GPU, so these tests swap in ``cudagraphs._EmulatedGraph`` (replay re-runs the
+compiled piece on the captured buffers and copies into the captured outputs: same fixed addresses)
+and check everything above the graph itself against eager: which sizes pad to which capture size,
+that the caller sees its own batch size and eager's values, what is captured when, and why not.
+The same scenarios run with real graphs in test_cuda_capture.py.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from piecewise_backend import cudagraphs
+from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_
+
+from .helpers import Encoder, assert_results_close, decode_at_sizes, graphs_since, last_serial
+
+CFG = ToyConfig(layers=2, max_batch=12)
+SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulate_graphs_on_cpu():
+    cudagraphs.EMULATE_ON_CPU = True
+    yield
+    cudagraphs.EMULATE_ON_CPU = False
+
+
+def _compile(model_cls, options, cfg=CFG):
+    torch._dynamo.reset()
+    start = last_serial()
+    model = init_weights_(model_cls(cfg)).eval()
+    reference = copy.deepcopy(model)
+    return torch.compile(model, backend="piecewise", options=options), reference, start
+
+
+def _padded_graphs(start):
+    """The graphs with a dynamic batch (Dynamo's first, specialised graph has none)."""
+    graphs = [g for g in graphs_since(start) if g.pad_position is not None]
+    assert graphs, [g.stats.summary() for g in graphs_since(start)]
+    return graphs
+
+
+def _main_graph(start):
+    """The graph that served the decode loop (Dynamo's first graph specialises pos == 0, runs once)."""
+    return max(_padded_graphs(start), key=lambda g: g.stats.calls)
+
+
+@pytest.fixture(scope="module")
+def padded_run():
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [1, 2, 4, 8], "eager_capture_sizes": [8, 2]})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, SIZES)
+    return results, _padded_graphs(start)
+
+
+def test_padded_sizes_match_eager(padded_run):
+    assert_results_close(padded_run[0])
+
+
+def test_captures_are_the_distinct_buckets_touched(padded_run):
+    for graph in padded_run[1]:
+        assert "padded up to the next capture size" in graph.stats.padding
+        # 3->4, 2, 5->8, 8, 7->8, 4, 6->8: buckets 2, 4, 8 (2 and 8 up front)
+        assert graph.captured == {(2,), (4,), (8,)}
+        for piece in graph.stats.pieces.values():
+            assert sorted(piece.keys) == [(2,), (4,), (8,)]
+
+
+def test_eager_sizes_captured_largest_first_before_the_first_output(padded_run):
+    for graph in padded_run[1]:
+        events = graph.stats.events
+        assert [(e.key, e.how, e.call) for e in events[:2]] == [((8,), "eager", 1), ((2,), "eager", 1)]
+        assert [(e.key, e.how) for e in events[2:]] == [((4,), "lazy")]
+
+
+def test_above_the_largest_size_runs_ungraphed_and_says_so(padded_run):
+    misses = sum(g.stats.misses[ABOVE_MAX] for g in padded_run[1])
+    assert misses == 4  # sizes 9 and 10, two steps each
+    assert any("size 10 > largest capture size 8" in g.stats.summary() for g in padded_run[1])
+
+
+def test_padded_replays_copy_only_what_changed(padded_run):
+    graphs = [g for g in padded_run[1] if g.stats.calls > 1]  # Dynamo's pos == 0 graph runs once
+    assert graphs
+    for graph in graphs:
+        assert graph.stats.replays > 0
+        # per step: token ids into the first piece, each attention output into the next piece, the
+        # RoPE rows (cos, sin at this step's position) into each layer's piece; the outputs of one
+        # piece feed the next in place (no copy)
+        steps = graph.stats.replays / graph.stats.num_compute_pieces
+        copies = sum(p.input_copies for p in graph.stats.pieces.values())
+        assert copies == steps * (1 + CFG.layers + 2 * CFG.layers), graph.stats.summary()
+
+
+def test_budget_on_sizes_stops_capture_and_answers_right():
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8], "max_captured_sizes": 2})
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = decode_at_sizes(compiled, reference, (2, 3, 8, 8, 2))
+    assert_results_close(results)
+    graph = _main_graph(start)
+    assert graph.captured == {(2,), (4,)} and graph.stats.misses[OVER_BUDGET] == 4  # 2 steps at 8, twice
+    assert "max_captured_sizes=2" in graph.stats.miss_details[OVER_BUDGET]
+    assert any("not capturing shape key (8,)" in str(w.message) for w in caught)
+
+
+def test_lazy_off_pads_to_a_captured_size():
+    compiled, reference, start = _compile(
+        ToyLlama, {"capture_sizes": [2, 4, 8], "eager_capture_sizes": [8], "lazy_capture": False})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, (3, 5, 2))
+    assert_results_close(results)
+    for graph in _padded_graphs(start):  # every size pads to the one captured up front
+        assert graph.captured == {(8,)} and graph.stats.misses[NOT_CAPTURED] == 0
+    assert _main_graph(start).stats.replays > 0
+
+
+def test_padding_off_graphs_only_exact_sizes():
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8], "padding": False})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, (3, 4, 3))
+    assert_results_close(results)
+    graph = _main_graph(start)
+    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+
+
+class BatchNormalised(torch.nn.Module):
+    """Subtracts the batch mean: padding would mix garbage rows into it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True)
+
+
+def test_a_graph_that_reduces_over_the_batch_is_never_padded():
+    torch._dynamo.reset()
+    start = last_serial()
+    net = BatchNormalised().eval()
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        for size in (3, 3, 4, 4, 5):
+            x = torch.randn(size, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), net(x))
+    graph = _padded_graphs(start)[-1]
+    assert "reduces over the batch" in graph.stats.padding
+    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+
+
+def test_explicit_capture_and_its_errors():
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        decode_at_sizes(compiled, reference, (3, 2), steps=1)  # a graph for pos == 0, then the decode graph
+        graph = _padded_graphs(start)[-1]
+        assert graph.captured == {(2,)}
+        with pytest.raises(ValueError, match=r"\[5\] are not capture sizes.*\[2, 4, 8\]"):
+            graph.capture([5])
+        assert graph.capture([8, 4, 2]) == [(8,), (4,)]  # 2 was captured by the call
+        assert_results_close(decode_at_sizes(compiled, reference, (7, 4), start_pos=2))
+    assert graph.captured == {(2,), (4,), (8,)}
+    assert [e.how for e in graph.stats.events] == ["lazy", "eager", "eager"]
+
+
+def test_capture_on_a_graph_without_dynamic_batch_says_what_to_do():
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4]})
+    with torch.no_grad():
+        compiled(torch.zeros(3, 1, dtype=torch.long), 0)  # not marked dynamic: Dynamo specialises
+    static = graphs_since(start)[-1]
+    assert static.pad_position is None and static.captured == {()}
+    with pytest.raises(RuntimeError, match="no dynamic batch size.*mark_dynamic"):
+        static.capture([2])
+
+
+def test_full_mode_static_cache_is_one_piece_and_right_at_every_size():
+    compiled, reference, start = _compile(ToyStaticCacheLlama, {"mode": "full", "capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, (2, 3, 4, 5, 8, 9), static_cache=True)
+    assert_results_close(results)
+    for graph in graphs_since(start):
+        assert graph.stats.num_pieces == 1 and graph.stats.num_compute_pieces == 1
+    for graph in _padded_graphs(start):
+        # the graph writes the KV cache: padded rows would write rows the caller did not pass
+        assert "writes" in graph.stats.padding and graph.captured <= {(2,), (4,), (8,)}
+        assert graph.stats.replays > 0
+
+
+def test_full_mode_pads_a_graph_safe_model():
+    torch._dynamo.reset()
+    start = last_serial()
+    net = Encoder(h=32).eval()
+    compiled = torch.compile(net, backend="piecewise", options={"mode": "full", "capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        for size in (2, 3, 5, 7, 8, 6):
+            x = torch.randn(size, 6, 32)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5)
+    graph = _padded_graphs(start)[-1]
+    assert graph.stats.num_pieces == 1 and "padded" in graph.stats.padding
+    assert graph.captured == {(2,), (4,), (8,)}

@@ -1,0 +1,96 @@
+"""Capture-policy logic without a GPU: options, schemes, bucket choice, lazy/eager, budgets."""
+
+import pytest
+
+from piecewise_backend import PiecewiseConfig
+from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET, CapturePolicy
+from piecewise_backend.config import scheme_sizes
+
+
+def test_default_scheme_is_vllms_67_sizes_up_to_512():
+    sizes = scheme_sizes("default", 512)
+    assert sizes[:5] == (1, 2, 4, 8, 16) and sizes[-2:] == (504, 512)
+    assert len(sizes) == 67 and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_schemes_always_include_their_max():
+    assert scheme_sizes("powers_of_two", 48) == (1, 2, 4, 8, 16, 32, 48)
+    assert scheme_sizes("default", 12) == (1, 2, 4, 8, 12)
+
+
+@pytest.mark.parametrize("options,error,message", [
+    ({"capture_sizes": "fibonacci"}, ValueError, "unknown capture scheme 'fibonacci'.*'default', 'powers_of_two'"),
+    ({"capture_sizes": [4, -2]}, ValueError, r"'capture_sizes' holds \[-2\]; sizes must be ints >= 1"),
+    ({"capture_sizes": [0]}, ValueError, "sizes must be ints >= 1"),
+    ({"capture_sizes": [2.5]}, ValueError, "sizes must be ints >= 1"),
+    ({"capture_sizes": []}, ValueError, "'capture_sizes' is empty"),
+    ({"capture_sizes": 8}, TypeError, "must be a list of batch sizes"),
+    ({"capture_sizes": [1, 2], "max_capture_size": 8}, ValueError, "contradicts capture_sizes"),
+    ({"max_capture_size": 0}, ValueError, "'max_capture_size' must be an int >= 1"),
+    ({"eager_capture_sizes": [3]}, ValueError, r"eager_capture_sizes \[3\] are not capture sizes"),
+    ({"eager_capture_sizes": "some"}, ValueError, "must be a list of capture sizes or 'all'"),
+    ({"max_graph_memory": -1}, ValueError, "'max_graph_memory' must be an int >= 0 or None"),
+    ({"max_captured_sizes": 1.5}, ValueError, "'max_captured_sizes' must be an int"),
+    ({"mode": "whole"}, ValueError, "'mode' must be one of 'piecewise', 'full'"),
+    ({"padding": 1}, TypeError, "'padding' must be True or False"),
+])
+def test_bad_capture_options_fail_with_a_fix(options, error, message):
+    with pytest.raises(error, match=message):
+        PiecewiseConfig.from_options(options)
+
+
+def test_capture_options_are_normalised():
+    cfg = PiecewiseConfig.from_options({"capture_sizes": [8, 2, 2, 4], "eager_capture_sizes": [2, 8]})
+    assert cfg.sizes == (2, 4, 8) and cfg.largest_size == 8
+    assert cfg.eager_sizes == (8, 2)  # largest first
+    assert PiecewiseConfig.from_options({"max_capture_size": 64, "eager_capture_sizes": "all"}).eager_sizes[0] == 64
+
+
+def _policy(pad_position=0, no_padding=None, **options):
+    return CapturePolicy(PiecewiseConfig.from_options(options), pad_position, no_padding)
+
+
+def test_bucket_is_the_next_capture_size():
+    policy = _policy(capture_sizes=[1, 2, 4, 8, 16])
+    assert [policy.bucket(n) for n in (1, 3, 4, 5, 9, 16, 17)] == [1, 4, 4, 8, 16, 16, None]
+
+
+def test_plan_pads_captures_and_misses():
+    policy = _policy(capture_sizes=[2, 4, 8])
+    assert policy.plan((3,), set(), lambda: 0) == policy.plan((3,), set(), lambda: 0)
+    plan = policy.plan((3,), set(), lambda: 0)
+    assert (plan.key, plan.size, plan.padded, plan.capture) == ((4,), 3, True, True)
+    plan = policy.plan((3,), {(4,)}, lambda: 0)
+    assert (plan.key, plan.padded, plan.capture) == ((4,), True, False)
+    assert policy.plan((9,), set(), lambda: 0).miss == ABOVE_MAX
+
+
+def test_pad_position_leaves_other_dynamic_sizes_exact():
+    policy = _policy(pad_position=1, capture_sizes=[2, 4, 8])
+    assert policy.plan((17, 3), set(), lambda: 0).key == (17, 4)
+
+
+def test_lazy_off_pads_to_the_smallest_captured_size():
+    policy = _policy(capture_sizes=[2, 4, 8], lazy_capture=False)
+    assert policy.plan((3,), {(8,)}, lambda: 0).key == (8,)
+    assert policy.plan((3,), {(2,)}, lambda: 0).miss == NOT_CAPTURED
+
+
+def test_padding_off_serves_exact_sizes_only():
+    policy = _policy(no_padding="x.sum(0) reduces over the batch", capture_sizes=[2, 4, 8])
+    plan = policy.plan((3,), set(), lambda: 0)
+    assert plan.miss == NOT_A_CAPTURE_SIZE and "reduces over the batch" in plan.detail
+    assert policy.plan((4,), set(), lambda: 0).capture
+
+
+def test_budget_refuses_by_count_and_by_measured_bytes():
+    policy = _policy(capture_sizes=[2, 4, 8], max_captured_sizes=1)
+    plan = policy.plan((4,), {(2,)}, lambda: 0)
+    assert plan.miss == OVER_BUDGET and "max_captured_sizes=1" in plan.detail
+
+    policy = _policy(capture_sizes=[2, 4, 8], max_graph_memory=100 * 2**20)
+    assert policy.plan((2,), set(), lambda: 0).capture  # nothing measured yet: allowed
+    policy.budget.record(2, 30 * 2**20)  # size 2 grew the pool by 30 MiB: 15 MiB per row
+    assert policy.plan((4,), {(2,)}, lambda: 30 * 2**20).capture  # 30 + 60 <= 100
+    plan = policy.plan((8,), {(2,), (4,)}, lambda: 90 * 2**20)  # 90 + 120 > 100
+    assert plan.miss == OVER_BUDGET and "90.0 MiB" in plan.detail and "100.0 MiB" in plan.detail
