@@ -1,6 +1,9 @@
 """Merge a device run into benchmarks/results/h200.json, stamped with the code hash.
 
-    python benchmarks/record.py --junit pytest.xml --decode decode.json --capture capture.json --out h200.json
+    python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json] --out h200.json
+
+Each part replaces only the keys it produces, so a run split over several device calls accumulates
+in one file.
 
 The code hash follows ../shared/tools/code_hash.py's definition (sha256 over the package's .py
 files in sorted path order: path, NUL, bytes, NUL), recomputed here because shared/ does not travel
@@ -17,6 +20,8 @@ import xml.etree.ElementTree as ET
 
 import torch
 
+from plot import ratios_to_limit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +30,15 @@ def code_hash(root: pathlib.Path = ROOT) -> str:
     for rel in sorted(p.relative_to(root).as_posix() for p in (root / "piecewise_backend").rglob("*.py")):
         h.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str) -> list[dict]:
+    """``new`` rows (stamped with ``digest``) plus the old rows of the same code hash they do not
+    replace: a suite split over several device calls accumulates, a stale row never survives."""
+    new = [{**r, "code_hash": digest} for r in new]
+    fresh = {tuple(r[k] for k in key) for r in new}
+    kept = [r for r in old if r.get("code_hash") == digest and tuple(r.get(k) for k in key) not in fresh]
+    return kept + new
 
 
 def pytest_summary(junit_path: str) -> dict:
@@ -37,8 +51,8 @@ def pytest_summary(junit_path: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit")
-    parser.add_argument("--decode")
     parser.add_argument("--capture")
+    parser.add_argument("--suite")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -49,8 +63,15 @@ def main() -> None:
                    "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None})
     if args.junit:
         result["tests"] = {**pytest_summary(args.junit), "code_hash": digest}
-    if args.decode:
-        result.update(json.loads(pathlib.Path(args.decode).read_text()))
+    if args.suite:
+        suite = json.loads(pathlib.Path(args.suite).read_text())
+        for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them
+            result.pop(stale, None)
+        result["decode"] = merge_rows(result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest)
+        if "startup" in suite:
+            result["startup"] = merge_rows(result.get("startup", []), suite["startup"], ("model", "variant", "start"),
+                                           digest)
+        result["vs_limit"] = ratios_to_limit(result["decode"])
         result["code_hash"] = digest
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())

@@ -1,14 +1,34 @@
 #!/usr/bin/env bash
-# One device call: install, run every test (CUDA ones included), the decode and capture benchmarks,
-# and write benchmarks/results/h200.json (plus logs) under $OUT.
+# Device runs, in parts that fit one call each (10 minutes), accumulating in h200.json:
+#
+#   bash benchmarks/run_device.sh tests             # every test, CUDA ones included
+#   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
+#   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
+#
+# Each part merges its keys into the repo's benchmarks/results/h200.json (stamped with the code hash)
+# and leaves the result, logs and the figure under $OUT; copy $OUT/h200.json back into the repo.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+RESULTS=benchmarks/results/h200.json
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-python -m pytest -q -rs tests/ --junitxml="$OUT/pytest.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
-python benchmarks/decode_step.py --out "$OUT/decode.json" "$@" 2>&1 | tee "$OUT/decode.log" | grep -v Warning
-python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
-python benchmarks/record.py --junit "$OUT/pytest.xml" --decode "$OUT/decode.json" --capture "$OUT/capture.json" \
-  --out "$OUT/h200.json"
+part=${1:-tests}
+shift || true
+record() {
+  python benchmarks/record.py "$@" --out "$OUT/h200.json" && cp "$OUT/h200.json" "$RESULTS"
+}
+case "$part" in
+  tests)
+    python -m pytest -q -rs tests/ --junitxml="$OUT/pytest.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+    record --junit "$OUT/pytest.xml" ;;
+  capture)
+    python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
+    record --capture "$OUT/capture.json" ;;
+  suite)
+    python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 | tee "$OUT/suite.log" | grep '^{'
+    record --suite "$OUT/suite.json"
+    python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
+  *) echo "unknown part $part: tests, capture or suite" >&2; exit 2 ;;
+esac

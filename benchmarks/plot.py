@@ -1,0 +1,89 @@
+"""Figure and ratio table of a suite run: step time vs batch, one line per variant, log scale.
+
+    python benchmarks/plot.py benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
+
+Prints a Markdown table of each variant's step time as a multiple of the limit (the whole step as
+one CUDA graph), the table the README shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
+                 "limit")
+
+
+def plot(rows: list[dict], png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for variant in VARIANT_ORDER:
+            points = sorted((r["batch"], r["step_ms"]) for r in rows
+                            if r["model"] == model and r["variant"] == variant and r.get("step_ms"))
+            if points:
+                ax.plot(*zip(*points), marker="o", label=variant,
+                        linewidth=2.5 if variant.startswith("piecewise") else 1.2,
+                        linestyle="--" if variant == "limit" else "-")
+        ax.set_xscale("log", base=2)
+        batches = sorted({r["batch"] for r in rows if r["model"] == model})
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_yscale("log")
+        ax.set_xlabel("batch")
+        ax.set_ylabel("decode step, ms (median)")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def ratios_to_limit(rows: list[dict]) -> list[dict]:
+    """Each row's step time as a multiple of the limit's (same model and batch)."""
+    limits = {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+    return [{"model": r["model"], "variant": r["variant"], "batch": r["batch"],
+             "vs_limit": round(r["step_ms"] / limits[(r["model"], r["batch"])], 3)}
+            for r in rows if r.get("step_ms") and (r["model"], r["batch"]) in limits]
+
+
+def ratio_table(rows: list[dict]) -> str:
+    limits = {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+    keys = sorted({(r["model"], r["batch"]) for r in rows})
+    lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
+             "| --- |" + " ---: |" * len(keys)]
+    for variant in VARIANT_ORDER:
+        cells = []
+        for model, batch in keys:
+            row = next((r for r in rows if (r["model"], r["batch"], r["variant"]) == (model, batch, variant)), None)
+            if row is None:
+                cells.append("")
+            elif not row.get("step_ms"):
+                cells.append("error")
+            elif (model, batch) in limits:
+                cells.append(f"{row['step_ms'] / limits[(model, batch)]:.2f}×")
+            else:
+                cells.append(f"{row['step_ms']:.2f} ms")
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--png")
+    args = parser.parse_args()
+    rows = json.loads(pathlib.Path(args.results).read_text())["decode"]
+    if args.png:
+        plot(rows, pathlib.Path(args.png))
+    print(ratio_table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""The benchmark suite: decode step time of toy Llamas under every backend a user would pick.
+
+    python benchmarks/suite.py --out suite.json [--models 16L 28L --batches 1 8 32 --steps 40]
+
+Variants, side by side in one process (the machines are noisy; read ratios):
+
+* ``eager``: the model as written.
+* ``inductor``: ``torch.compile`` default.
+* ``reduce-overhead``: Inductor + cudagraph trees, ``graph_partition`` off.
+* ``reduce-overhead+partition``: the same with Inductor's ``graph_partition`` on.
+* ``piecewise``: this backend, default options.
+* ``piecewise-full``: this backend, ``mode="full"``, on the graph-safe twin of the model
+  (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache).
+* ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
+  ``torch.cuda.graph`` and replayed: no host work at all; the floor for any backend.
+
+Decode: prefill ``--prompt`` tokens, then ``--steps`` steps with the KV length growing each step;
+CUDA events; median over the second half. A variant that fails is a row with its error, never a
+skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
+(empty Inductor cache) and warm (second process, same cache), for ``inductor`` and ``piecewise``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+import piecewise_backend
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
+    sdpa_backends
+
+MODELS = {
+    "16L": dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816),
+    "28L": dict(vocab=32000, hidden=1536, layers=28, heads=12, intermediate=8960),
+    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
+}
+VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
+            "limit")
+
+
+def model_name(cfg: ToyConfig) -> str:
+    return f"llama-{cfg.layers}L-{cfg.hidden}"
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepTimer:
+    """Per-step wall time of a decode step: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __call__(self, fn):
+        if self.device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            return out, begin.elapsed_time(end)
+        start = time.perf_counter()
+        out = fn()
+        return out, (time.perf_counter() - start) * 1e3
+
+
+def decode(step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False,
+           mark_batch: bool = True) -> tuple[float, float]:
+    """(median ms per decode step over the second half, first call s) for prefill + ``steps`` steps."""
+    reset_caches(model)
+    timer = StepTimer(device)
+
+    def where(p, n):
+        return torch.arange(p, p + n, device=device) if tensor_pos else p
+
+    ids = torch.randint(0, model.cfg.vocab, (batch, prompt), device=device)
+    sync(device)
+    start = time.perf_counter()
+    logits = step(ids, where(0, prompt))
+    sync(device)
+    first_call = time.perf_counter() - start
+    pos, times = prompt, []
+    for _ in range(steps):
+        next_ids = logits[:, -1:].argmax(-1)
+        if mark_batch and batch > 1:
+            torch._dynamo.maybe_mark_dynamic(next_ids, 0)
+        logits, ms = timer(lambda: step(next_ids, where(pos, 1)))
+        times.append(ms)
+        pos += 1
+    return statistics.median(times[steps // 2:]), first_call
+
+
+def limit_step(model, batch: int, prompt: int, steps: int, device: str) -> tuple[float, float]:
+    """The whole Inductor-compiled decode step at one shape and position, replayed from one graph."""
+    if device != "cuda":
+        raise RuntimeError("the limit is a CUDA graph: needs a GPU")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=False)
+    reset_caches(model)
+    ids = torch.randint(0, model.cfg.vocab, (batch, 1), device=device)
+    start = time.perf_counter()
+    for _ in range(3):  # compile and warm up at the fixed shape
+        compiled(ids, prompt)
+    torch.cuda.synchronize()
+    first_call = time.perf_counter() - start
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        compiled(ids, prompt)
+    timer = StepTimer(device)
+    times = [timer(graph.replay)[1] for _ in range(steps)]
+    return statistics.median(times[steps // 2:]), first_call
+
+
+def compiled_variant(variant: str, model):
+    if variant == "inductor":
+        return torch.compile(model)
+    if variant == "reduce-overhead":
+        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False})
+    if variant == "reduce-overhead+partition":
+        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
+    if variant == "piecewise":
+        return torch.compile(model, backend="piecewise")
+    if variant == "piecewise-full":
+        return torch.compile(model, backend="piecewise", options={"mode": "full"})
+    raise ValueError(variant)
+
+
+def run_variant(variant: str, model, static_twin, batch: int, args, device: str) -> dict:
+    torch._dynamo.reset()
+    if variant == "eager":
+        return dict(zip(("step_ms", "first_call_s"), decode(model, model, batch, args.prompt, args.steps, device)))
+    if variant == "limit":
+        return dict(zip(("step_ms", "first_call_s"), limit_step(model, batch, args.prompt, args.steps, device)))
+    target = static_twin if variant == "piecewise-full" else model
+    step = compiled_variant(variant, target)
+    step_ms, first_s = decode(step, target, batch, args.prompt, args.steps, device,
+                              tensor_pos=variant == "piecewise-full")
+    row = {"step_ms": step_ms, "first_call_s": first_s}
+    if variant.startswith("piecewise"):
+        graphs = piecewise_backend.compiled_graphs()
+        main = max(graphs, key=lambda g: g.stats.calls)
+        row["piecewise"] = {"graphs": len(graphs), "pieces": main.stats.num_pieces,
+                            "compute_pieces": main.stats.num_compute_pieces,
+                            "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
+                            "captures": sum(g.stats.captures for g in graphs),
+                            "input_copies_per_step": round(
+                                sum(p.input_copies for p in main.stats.pieces.values())
+                                / max(main.stats.calls, 1), 2),
+                            "padding": main.stats.padding}
+    return row
+
+
+def decode_rows(args, device: str) -> list[dict]:
+    rows = []
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    for key in args.models:
+        cfg = ToyConfig(**MODELS[key], max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+        model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
+        twin = ToyStaticCacheLlama(cfg).to(device=device, dtype=dtype).eval()
+        twin.load_state_dict(model.state_dict())
+        for batch in args.batches:
+            for variant in args.variants:
+                row = {"model": model_name(cfg), "variant": variant, "batch": batch}
+                try:
+                    with torch.inference_mode(), sdpa_backends(device):
+                        row.update(run_variant(variant, model, twin, batch, args, device))
+                    row["step_ms"] = round(row["step_ms"], 4)
+                    row["first_call_s"] = round(row["first_call_s"], 3)
+                except Exception as exc:  # a failure is a result, not a skip
+                    row.update(step_ms=None, first_call_s=None, error=f"{type(exc).__name__}: {exc}"[:500])
+                    traceback.print_exc()
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+# -- startup --------------------------------------------------------------------------------------
+
+
+def first_output(variant: str, model_key: str, device: str) -> None:
+    """(In a fresh process.) Print seconds from torch.compile to the first output, and compiles."""
+    cfg = ToyConfig(**MODELS[model_key], max_batch=1, max_seq=300)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
+    ids = torch.randint(0, cfg.vocab, (1, 256), device=device)
+    with torch.inference_mode(), sdpa_backends(device):
+        sync(device)
+        start = time.perf_counter()
+        step = torch.compile(model) if variant == "inductor" else torch.compile(model, backend="piecewise")
+        step(ids, 0)
+        sync(device)
+        seconds = time.perf_counter() - start
+    from torch._dynamo.utils import counters
+
+    inductor = counters["inductor"]  # graphs Inductor compiled or loaded from its cache
+    graphs = sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
+    print(json.dumps({"seconds": round(seconds, 3), "inductor_graphs": graphs,
+                      "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0)}))
+
+
+def startup_rows(args, device: str) -> list[dict]:
+    rows = []
+    for variant in ("inductor", "piecewise"):
+        with tempfile.TemporaryDirectory() as cache:
+            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+            for start in ("cold", "warm"):
+                cmd = [sys.executable, __file__, "--first-output", variant, "--models", args.models[0],
+                       "--device", device]
+                row = {"model": args.models[0], "variant": variant, "start": start}
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                try:
+                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+                except Exception:
+                    row["error"] = (proc.stderr or proc.stdout)[-500:]
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out")
+    parser.add_argument("--models", nargs="+", default=["16L", "28L"], choices=sorted(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")
+    parser.add_argument("--first-output", choices=("inductor", "piecewise"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.first_output:
+        return first_output(args.first_output, args.models[0], args.device)
+    result = {"decode": decode_rows(args, args.device)}
+    if args.startup:
+        result["startup"] = startup_rows(args, args.device)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The benchmark suite's plumbing on CPU: failures are rows, ratios and merges are right."""
+
+import argparse
+import pathlib
+import sys
+
+import pytest
+import torch
+
+BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import plot  # noqa: E402
+import record  # noqa: E402
+import suite  # noqa: E402
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
+def test_suite_rows_include_failures_as_rows():
+    args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=4,
+                              prompt=4)
+    rows = suite.decode_rows(args, "cpu")
+    by_variant = {r["variant"]: r for r in rows}
+    assert set(by_variant) == {"eager", "piecewise", "limit"}
+    assert by_variant["eager"]["step_ms"] > 0 and by_variant["piecewise"]["step_ms"] > 0
+    assert by_variant["piecewise"]["piecewise"]["compute_pieces"] == 3
+    assert by_variant["limit"]["step_ms"] is None and "needs a GPU" in by_variant["limit"]["error"]
+
+
+def test_ratios_to_limit_and_table():
+    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
+            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
+            {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom"}]
+    assert plot.ratios_to_limit(rows) == [{"model": "m", "variant": "limit", "batch": 1, "vs_limit": 1.0},
+                                          {"model": "m", "variant": "piecewise", "batch": 1, "vs_limit": 1.2}]
+    table = plot.ratio_table(rows)
+    assert "| piecewise | 1.20× |" in table and "| inductor | error |" in table
+
+
+def test_figure_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [{"model": "m", "variant": v, "batch": b, "step_ms": ms}
+            for v, ms in (("eager", 8.0), ("piecewise", 1.0), ("limit", 0.7)) for b in (1, 8, 32)]
+    png = tmp_path / "fig.png"
+    plot.plot(rows, png)
+    assert png.stat().st_size > 1000
+
+
+def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
+    old = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.0, "code_hash": "h1"},
+           {"model": "b", "variant": "eager", "batch": 1, "step_ms": 2.0, "code_hash": "h1"},
+           {"model": "c", "variant": "eager", "batch": 1, "step_ms": 3.0, "code_hash": "old"}]
+    new = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.5}]
+    merged = record.merge_rows(old, new, ("model", "variant", "batch"), "h1")
+    assert [(r["model"], r["step_ms"], r["code_hash"]) for r in merged] == [("b", 2.0, "h1"), ("a", 1.5, "h1")]
