@@ -32,12 +32,14 @@ def code_hash(root: pathlib.Path = ROOT) -> str:
     return h.hexdigest()
 
 
-def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str) -> list[dict]:
+def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str, old_default_hash=None) -> list[dict]:
     """``new`` rows (stamped with ``digest``) plus the old rows of the same code hash they do not
-    replace: a suite split over several device calls accumulates, a stale row never survives."""
+    replace: a suite split over several device calls accumulates, a stale row never survives.
+    Old rows without a stamp carry ``old_default_hash`` (the file's code hash when they were written)."""
     new = [{**r, "code_hash": digest} for r in new]
     fresh = {tuple(r[k] for k in key) for r in new}
-    kept = [r for r in old if r.get("code_hash") == digest and tuple(r.get(k) for k in key) not in fresh]
+    kept = [r for r in old if r.get("code_hash", old_default_hash) == digest
+            and tuple(r.get(k) for k in key) not in fresh]
     return kept + new
 
 
@@ -59,18 +61,20 @@ def main() -> None:
     prev = pathlib.Path(args.previous)
     result = json.loads(prev.read_text()) if prev.exists() else {}
     digest = code_hash()
-    result.update({"torch": torch.__version__,
-                   "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None})
+    file_hash = result.get("code_hash")
+    if torch.cuda.is_available():  # merging elsewhere must not relabel the device's results
+        result.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()})
     if args.junit:
         result["tests"] = {**pytest_summary(args.junit), "code_hash": digest}
     if args.suite:
         suite = json.loads(pathlib.Path(args.suite).read_text())
         for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them
             result.pop(stale, None)
-        result["decode"] = merge_rows(result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest)
+        result["decode"] = merge_rows(result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest,
+                                      file_hash)
         if "startup" in suite:
             result["startup"] = merge_rows(result.get("startup", []), suite["startup"], ("model", "variant", "start"),
-                                           digest)
+                                           digest, file_hash)
         result["vs_limit"] = ratios_to_limit(result["decode"])
         result["code_hash"] = digest
     if args.capture:
