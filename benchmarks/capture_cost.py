@@ -88,7 +88,7 @@ def one_size(model) -> dict:
     for runner in runners:
         cap = runner.captures[(4,)]
         args = [None] * (len(cap.checks) + len(cap.scalars))
-        for i, buf, _ in cap.checks:
+        for i, buf, _, _ in cap.checks:
             args[i] = buf
         for i, value in cap.scalars.items():
             args[i] = value

@@ -30,6 +30,7 @@ from .cudagraphs import PieceRunner, StepState, pool_bytes, synchronize
 from .padding import plan_padding
 from .precapture import run_compute_pieces, symbol_values
 from .splitting import COMPUTE, SplitGraph, split_graph
+from .staging import stage_keys
 from .stats import CaptureEvent, GraphStats, PieceStats, register
 
 log = logging.getLogger("piecewise_backend")
@@ -120,6 +121,7 @@ class CompiledGraph:
         step.key = plan.key
         step.size = plan.size
         step.padded = plan.padded
+        step.refreshed.clear()
         if plan.capture:
             return self._capturing_call(plan, args)
         return self._forward(*args)
@@ -142,6 +144,7 @@ class CompiledGraph:
     def _capturing_call(self, plan: Plan, args: tuple):
         step = self.step
         step.pool_ptrs.clear()
+        step.staged.clear()
         step.key_size = plan.key[self.pad_position] if self.pad_position is not None else None
         step.sym_values = dict(zip(self.key_symbols, plan.key))
         before, start = self._pool_bytes(), time.perf_counter()
@@ -239,6 +242,8 @@ class CompiledGraph:
         step.graphing, step.key, step.size, step.padded = True, key, key[self.pad_position], False
         step.key_size = key[self.pad_position]
         step.pool_ptrs.clear()
+        step.staged.clear()
+        step.refreshed.clear()
         values = dict(self._template_values)
         values.update(zip(self.key_symbols, key))
         step.sym_values = values
@@ -357,7 +362,9 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     log.debug("%s", torch._dynamo.utils.lazy_format_graph_code("piecewise split graph", split_gm))
     compute_names = {p.name for p in split.pieces if p.kind == COMPUTE}
     compiler = PieceCompiler(fake_mode, split.step_symbols)
-    compiled, fake_outputs = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
+    compiled, fake_outputs, node_values = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
+    staging = stage_keys(split_gm, node_values, compute_names, split.written_inputs, static_placeholders)
+    del node_values  # fake values of every intermediate: not needed past this point
 
     needed = set()
     for piece in compiled.values():
@@ -386,7 +393,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                 spec.name, compiled[spec.name].fn, static_args[spec.name],
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
                 config.warmup_runs, config.clone_outputs, padding.get(spec.name),
-                _static_args(split_gm, set(spec.writes_inputs))[spec.name])
+                _static_args(split_gm, set(spec.writes_inputs))[spec.name], staging[spec.name])
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:

@@ -113,7 +113,7 @@ class _FakeRun(torch.fx.Interpreter):
     """
 
     def __init__(self, split_gm, compute_names: set[str], on_compute):
-        super().__init__(split_gm)
+        super().__init__(split_gm, garbage_collect_values=False)  # compile_pieces returns them all
         self.compute_names = compute_names
         self.on_compute = on_compute
         self.fake_outputs: dict[str, Any] = {}
@@ -129,10 +129,11 @@ class _FakeRun(torch.fx.Interpreter):
 
 
 def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
-                   compiler: PieceCompiler) -> tuple[dict[str, CompiledPiece], dict[str, Any]]:
+                   compiler: PieceCompiler) -> tuple[dict[str, CompiledPiece], dict[str, Any], dict]:
     """Compile every compute piece of ``split_gm``.
 
-    Returns the compiled pieces and every piece's fake output, by submodule name.
+    Returns the compiled pieces and every piece's fake output, by submodule name, and the fake
+    value of every node of the split graph.
     """
     compiled: dict[str, CompiledPiece] = {}
 
@@ -142,4 +143,4 @@ def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake
     with _torch_internals.fake_propagation(compiler.fake_mode):
         run = _FakeRun(split_gm, compute_names, on_compute)
         run.run(*fake_inputs)
-    return compiled, run.fake_outputs
+    return compiled, run.fake_outputs, dict(run.env)

@@ -199,12 +199,14 @@ class StepState:
     padded: bool = False
     sym_values: dict = dataclasses.field(default_factory=dict)  # symbol -> value at the key (capture only)
     pool_ptrs: set = dataclasses.field(default_factory=set)  # outputs captured during this call
+    staged: dict = dataclasses.field(default_factory=dict)  # stage key -> buffer (capturing calls)
+    refreshed: dict = dataclasses.field(default_factory=dict)  # stage key -> source address copied this call
 
 
 @dataclasses.dataclass
 class _Captured:
     graph: torch.cuda.CUDAGraph
-    checks: list  # (arg index, captured buffer, captured data_ptr) for every tensor input
+    checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
     scalars: dict = dataclasses.field(default_factory=dict)  # non-tensor args captured with (index -> value)
     moved_static: set = dataclasses.field(default_factory=set)
@@ -232,7 +234,8 @@ class PieceRunner:
 
     def __init__(self, name: str, fn: Callable, static_args: frozenset, escaping_outputs: frozenset,
                  step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
-                 padding: PiecePadding | None = None, written_args: frozenset = frozenset()):
+                 padding: PiecePadding | None = None, written_args: frozenset = frozenset(),
+                 stage_keys: dict | None = None):
         self.name = name
         self.fn = fn
         self.static_args = static_args
@@ -243,6 +246,7 @@ class PieceRunner:
         self.warmup_runs = warmup_runs
         self.clone_outputs = clone_outputs
         self.padding = padding
+        self.stage_keys = stage_keys or {}  # arg index -> stage key (see staging.py)
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
 
@@ -256,9 +260,14 @@ class PieceRunner:
             return self._capture(step.key, args)
         checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
             else (captured.checks, captured.outputs)
-        for i, buf, ptr in checks:
+        for i, buf, ptr, stage in checks:
             arg = args[i]
-            if arg.data_ptr() != ptr:
+            source = arg.data_ptr()
+            if source != ptr:
+                if stage is not None:  # one copy per call into a buffer several pieces read
+                    if step.refreshed.get(stage) == source:
+                        continue
+                    step.refreshed[stage] = source
                 if i in self.written_args:
                     return self._drop_moved_written(step.key, i, args)
                 self._copy_in(captured, i, buf, arg)
@@ -271,8 +280,8 @@ class PieceRunner:
     def _slice(self, captured: _Captured, size: int):
         """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
         pad = self.padding
-        checks = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr)
-                  for i, buf, ptr in captured.checks]
+        checks = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr, stage)
+                  for i, buf, ptr, stage in captured.checks]
         outputs = self._narrow_outputs(captured.outputs, size)
         captured.views[size] = (checks, outputs)
         return checks, outputs
@@ -353,16 +362,23 @@ class PieceRunner:
             size = list(arg.shape)
             if dim is not None:
                 size[dim] = step.key_size
+            stage = self.stage_keys.get(i)
+            staged = step.staged.get(stage)
             if i in self.static_args:
                 buf = arg  # parameters keep their address; held strongly like the model does
             elif arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
                 # an earlier piece's captured output (the first rows of it, when padded)
                 buf = _alias(arg, size)
                 capture_args[i] = buf if dim is not None else arg
+            elif staged is not None and list(staged.shape) == size and staged.stride() == arg.stride():
+                buf = staged  # an earlier piece of this call copied the same source into it
+                capture_args[i] = buf
             else:
                 buf = self._owned_buffer(arg, i, size, dim, pad)
                 capture_args[i] = buf
-            checks.append((i, buf, buf.data_ptr()))
+                if stage is not None:
+                    step.staged[stage] = buf
+            checks.append((i, buf, buf.data_ptr(), stage if stage in step.staged else None))
         return capture_args, checks
 
     def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim, pad) -> torch.Tensor:
@@ -383,7 +399,7 @@ class PieceRunner:
 
     def _record(self, capture_args: list, checks: list):
         step = self.step
-        device = next((buf.device for _, buf, _ in checks), torch.device("cuda"))
+        device = next((buf.device for _, buf, _, _ in checks), torch.device("cuda"))
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
             outputs = _as_tuple(capture_on_side_stream(graph, shared_graph_pool(device), lambda: self.fn(*capture_args),

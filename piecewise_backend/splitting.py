@@ -58,6 +58,7 @@ class SplitGraph:
     pieces: list[PieceSpec]
     step_symbols: frozenset
     compute_nodes: tuple = ()  # nodes of the original graph that run in compute pieces
+    written_inputs: frozenset = frozenset()  # names of graph inputs some node writes in place
 
     def piece(self, name: str) -> PieceSpec:
         return next(p for p in self.pieces if p.name == name)
@@ -255,4 +256,6 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
             eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group),
             writes_inputs=written))
     compute_nodes = tuple(n for n, k in kinds.items() if k == COMPUTE)
-    return SplitGraph(split_gm, pieces, steps, compute_nodes)
+    written_inputs = frozenset(roots[m].name for n in graph.nodes for m in facts.mutated_inputs(n)
+                               if roots[m].op == "placeholder")
+    return SplitGraph(split_gm, pieces, steps, compute_nodes, written_inputs)
