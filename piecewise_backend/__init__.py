@@ -10,6 +10,7 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 from .backend import CompiledGraph, capture, compiled_graphs, piecewise
 from .config import PiecewiseConfig
 from .cudagraphs import pool_bytes
+from .inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .op_names import DEFAULT_SPLITTING_OPS
 from .stats import CaptureEvent, GraphStats, PieceStats, capture_table, process_stats
 
@@ -25,6 +26,12 @@ __all__ = [
     "capture_table",
     "pool_bytes",
     "CaptureEvent",
+    "inspect_split",
+    "report",
+    "reports",
+    "debug_dump",
+    "SplitReport",
+    "PieceInfo",
     "GraphStats",
     "PieceStats",
     "DEFAULT_SPLITTING_OPS",

@@ -48,23 +48,40 @@ def fake_propagation(fake_mode):
     return stack
 
 
-def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> Callable[..., Any]:
+def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> tuple[Callable[..., Any], str | None]:
     """Compile one piece with Inductor, dynamic in the symbols its fake inputs carry.
 
     A fresh TracingContext around Dynamo's fake mode (what ``torch._inductor.standalone_compile``
     does with ``dynamic_shapes="from_tracing_context"``, whose signature differs across 2.11-2.14):
     each piece's AOTAutograd metadata stays out of Dynamo's own context, while the ShapeEnv, and so
     the guards Inductor adds, stays shared with Dynamo.
+
+    Returns the compiled callable and the Python module Inductor generated for it (for inspection),
+    caught through ``GraphLowering.save_output_code``, the hook torch's own ``run_and_get_code``
+    uses; Inductor calls it on a fresh compile and on an FX-graph-cache hit (checked on 2.11 and 2.13).
     """
     from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-        compiled = compile_fx(gm, fake_args)
+    codes: list[str] = []
+    previous = GraphLowering.save_output_code
+
+    def save_output_code(code: str) -> None:
+        codes.append(code)
+        if previous is not None:
+            previous(code)
+
+    GraphLowering.save_output_code = save_output_code
+    try:
+        with unset_fake_temporarily(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+            compiled = compile_fx(gm, fake_args)
+    finally:
+        GraphLowering.save_output_code = previous
     # compile_fx on a GraphModule returns AOTAutograd's ``forward(*args)``, which copies the
     # ``_boxed_call`` flag of what it wraps without being boxed itself (see the "deeply wrong"
     # comment in torch/_functorch/aot_autograd.py): call it with positional args.
-    return compiled
+    return compiled, (codes[-1] if codes else None)
 
 
 def non_owning_alias(t: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:

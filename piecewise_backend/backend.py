@@ -31,6 +31,7 @@ from .padding import plan_padding
 from .precapture import run_compute_pieces, symbol_values
 from .splitting import COMPUTE, SplitGraph, split_graph
 from .staging import stage_keys
+from .inspection import piece_signatures
 from .stats import CaptureEvent, GraphStats, PieceStats, register
 
 log = logging.getLogger("piecewise_backend")
@@ -90,6 +91,12 @@ class CompiledGraph:
     @property
     def pieces(self):
         return self.split.pieces
+
+    @property
+    def __code__(self):
+        """Tools that walk Dynamo's cache (depyf) expect what a backend returns to be a function and
+        read its ``__code__``; ours is this object's ``__call__``."""
+        return type(self).__call__.__code__
 
     @property
     def can_capture_up_front(self) -> bool:
@@ -345,6 +352,12 @@ def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs:
     return pad_position, per_piece, None, f"{sym} padded up to the next capture size"
 
 
+def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
+    """Log a graph at DEBUG through Dynamo's formatter. Calling it matters even when DEBUG is off:
+    under ``depyf.prepare_debug`` it is what writes the graph into the dump folder."""
+    log.debug("%s", torch._dynamo.utils.lazy_format_graph_code(title, gm))
+
+
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
     fake_mode = _torch_internals.detect_fake_mode(example_inputs)
     phs = facts.placeholders(gm.graph)
@@ -357,13 +370,17 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     any_requires_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs)
 
     writable = frozenset(static_placeholders) if config.mode == "full" else frozenset()
+    _log_graph("piecewise input graph", gm)
     split = split_graph(gm, config.all_splitting_ops, writable)
     split_gm = split.graph_module
-    log.debug("%s", torch._dynamo.utils.lazy_format_graph_code("piecewise split graph", split_gm))
+    _log_graph("piecewise split graph", split_gm)
+    for spec in split.pieces:
+        _log_graph(f"piecewise {spec.name} {spec.kind}", getattr(split_gm, spec.name))
     compute_names = {p.name for p in split.pieces if p.kind == COMPUTE}
     compiler = PieceCompiler(fake_mode, split.step_symbols)
     compiled, fake_outputs, node_values = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
     staging = stage_keys(split_gm, node_values, compute_names, split.written_inputs, static_placeholders)
+    signatures = piece_signatures(split_gm, node_values)
     del node_values  # fake values of every intermediate: not needed past this point
 
     needed = set()
@@ -401,6 +418,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,
                           reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs)
     stats.serial = graph.serial
+    graph.signatures = signatures
     _COMPILED.add(graph)
     if config.mode == "full" and len(split.pieces) > 1:
         log.warning("piecewise: graph %d: full mode, but %d nodes must run eagerly, so it is captured in %d "

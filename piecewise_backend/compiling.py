@@ -30,6 +30,7 @@ class CompiledPiece:
     fake_args: list
     structural_key: str
     shared_with: str  # name of the first piece compiled with this code (itself if it was first)
+    inductor_code: str | None = None  # the module Inductor generated (shared with ``shared_with``)
 
 
 def _describe_value(v) -> str:
@@ -87,7 +88,7 @@ class PieceCompiler:
     def __init__(self, fake_mode, step_symbols: frozenset):
         self.fake_mode = fake_mode
         self.step_symbols = step_symbols
-        self._by_key: dict[str, tuple[Callable, str]] = {}
+        self._by_key: dict[str, tuple[Callable, str, str | None]] = {}
         self.inductor_compiles = 0
         self.inductor_seconds = 0.0
 
@@ -95,14 +96,14 @@ class PieceCompiler:
         fake_args = [_sanitize_fake_arg(a, self.step_symbols, self.fake_mode) for a in fake_args]
         key = structural_key(gm, fake_args)
         if key in self._by_key:
-            fn, first = self._by_key[key]
-            return CompiledPiece(fn, fake_args, key, first)
+            fn, first, code = self._by_key[key]
+            return CompiledPiece(fn, fake_args, key, first, code)
         start = time.perf_counter()
-        fn = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
+        fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
         self.inductor_seconds += time.perf_counter() - start
         self.inductor_compiles += 1
-        self._by_key[key] = (fn, name)
-        return CompiledPiece(fn, fake_args, key, name)
+        self._by_key[key] = (fn, name, code)
+        return CompiledPiece(fn, fake_args, key, name, code)
 
 
 class _FakeRun(torch.fx.Interpreter):

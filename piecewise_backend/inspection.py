@@ -1,0 +1,248 @@
+"""What the backend did to a model, for people: pieces as a table, a picture, code, a depyf dump.
+
+    report = piecewise_backend.inspect_split(model, input_ids, 0)[-1]   # compile, run once, look
+    report                       # a table in Jupyter (_repr_html_), print(report) in a terminal
+    report.piece(3).code         # the FX code of piece 3; .inductor_code: what Inductor made of it
+    report.save_png("split.png") # pieces as boxes in order, attention between
+    with piecewise_backend.debug_dump("dump/"):  # depyf: Dynamo's bytecode, graphs, Inductor code
+        compiled(input_ids, 0)
+
+Everything works without a GPU: on CPU the pieces are compiled and run, just not graphed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import html
+from typing import Any
+
+import torch
+import torch.fx
+
+_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
+           torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
+
+
+def describe(value: Any) -> str:
+    """``bf16[s72, 1, 1024]`` for a tensor (symbols kept), ``s27`` for a SymInt."""
+    if isinstance(value, torch.Tensor):
+        return f"{_DTYPES.get(value.dtype, str(value.dtype).replace('torch.', ''))}[{', '.join(map(str, value.shape))}]"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(describe(v) for v in value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(value.node.expr)
+    return repr(value)
+
+
+def piece_signatures(split_gm: torch.fx.GraphModule, node_values: dict) -> dict[str, tuple[tuple[str, ...], str]]:
+    """For each piece: its inputs and its output, described from the fake values (kept as text,
+    so no fake tensor outlives the compile)."""
+    out = {}
+    for node in split_gm.graph.nodes:
+        if node.op == "call_module":
+            inputs = tuple(describe(node_values[a]) if isinstance(a, torch.fx.Node) else repr(a) for a in node.args)
+            out[str(node.target)] = (inputs, describe(node_values.get(node)))
+    return out
+
+
+@dataclasses.dataclass
+class PieceInfo:
+    """One piece of a split graph, in execution order."""
+
+    index: int
+    name: str
+    kind: str  # "compute" (compiled, graphed), "split" (holds an attention op) or "eager"
+    num_ops: int
+    split_ops: tuple
+    why_eager: tuple  # why its nodes run eagerly, one line per node
+    inputs: tuple  # described input values, e.g. "bf16[s72, 1, 1024]"
+    output: str
+    graphed: bool  # a compute piece that gets CUDA graphs (False on CPU, with cudagraphs=False, ...)
+    compiled_as: str | None  # compute pieces: the piece whose Inductor compile it shares (itself if first)
+    captured: tuple  # shape keys captured for it
+    code: str  # the FX code of the piece
+    inductor_code: str | None  # the module Inductor generated (compute pieces)
+
+    @property
+    def label(self) -> str:
+        if self.kind == "split":
+            return ", ".join(op.split("::")[-1] for op in self.split_ops)
+        return f"{self.kind} ({self.num_ops} ops)"
+
+
+class SplitReport:
+    """The split of one compiled Dynamo graph: a table, a picture, the pieces' code."""
+
+    def __init__(self, graph):
+        self.graph = graph
+        self.serial = graph.serial
+        sig = getattr(graph, "signatures", {})
+        gm = graph.split.graph_module
+        self.pieces: list[PieceInfo] = []
+        for spec in graph.pieces:
+            compiled = graph.compiled.get(spec.name)
+            runner = graph.runners.get(spec.name)
+            inputs, output = sig.get(spec.name, ((), ""))
+            self.pieces.append(PieceInfo(
+                index=spec.index, name=spec.name, kind=spec.kind, num_ops=spec.num_ops, split_ops=spec.split_ops,
+                why_eager=spec.eager_reasons, inputs=inputs, output=output,
+                graphed=runner is not None and graph.graphs_disabled_reason is None,
+                compiled_as=compiled.shared_with if compiled else None,
+                captured=tuple(runner.captures) if runner else (),
+                code=gm._modules[spec.name].code.strip(),  # the attribute is shadowed by the runner
+                inductor_code=compiled.inductor_code if compiled else None))
+
+    # -- access -----------------------------------------------------------------------------------
+
+    def piece(self, key: int | str) -> PieceInfo:
+        """A piece by position or by name (``"submod_3"``)."""
+        if isinstance(key, int):
+            return self.pieces[key]
+        for p in self.pieces:
+            if p.name == key:
+                return p
+        raise KeyError(f"no piece {key!r}; pieces are {[p.name for p in self.pieces]}")
+
+    @property
+    def inductor_compiles(self) -> dict[str, list[str]]:
+        """Each distinct Inductor compile and the pieces that share it."""
+        groups: dict[str, list[str]] = {}
+        for p in self.pieces:
+            if p.compiled_as:
+                groups.setdefault(p.compiled_as, []).append(p.name)
+        return groups
+
+    def rows(self) -> list[dict]:
+        return [{"#": p.index, "piece": p.name, "kind": p.kind, "ops": p.num_ops,
+                 "what": p.label if p.kind == "split" else (p.why_eager[0] if p.why_eager else ""),
+                 "inputs": "; ".join(p.inputs), "output": p.output,
+                 "graphed": "yes" if p.graphed else "no" if p.kind == "compute" else "",
+                 "compiled as": p.compiled_as or "", "captured": ", ".join(map(str, p.captured))}
+                for p in self.pieces]
+
+    def headline(self) -> str:
+        s = self.graph.stats
+        why = self.graph.graphs_disabled_reason
+        return (f"graph {self.serial}: {s.num_pieces} pieces ({s.num_compute_pieces} compute, "
+                f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; "
+                f"CUDA graphs: {('off: ' + why) if why else 'on'}; padding: {s.padding}")
+
+    # -- rendering --------------------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        from .stats import format_table
+
+        short = [{k: (v if len(str(v)) <= 48 else str(v)[:45] + "...") for k, v in r.items()} for r in self.rows()]
+        return self.headline() + "\n" + format_table(short)
+
+    __repr__ = __str__
+
+    def _repr_html_(self) -> str:
+        colours = {"compute": "#dbe9ff", "split": "#ffe2c2", "eager": "#eeeeee"}
+        rows = self.rows()
+        head = "".join(f"<th style='text-align:left'>{html.escape(k)}</th>" for k in rows[0]) if rows else ""
+        body = "".join(
+            f"<tr style='background:{colours.get(r['kind'], '#fff')}'>"
+            + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
+            for r in rows)
+        return (f"<p><b>{html.escape(self.headline())}</b></p>"
+                f"<table style='font-size:12px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+    def figure(self, per_row: int = 12):
+        """Pieces as boxes in execution order (blue: compiled and graphed, orange: attention, grey:
+        eager), wrapped every ``per_row`` pieces. Returns a matplotlib Figure."""
+        import matplotlib
+
+        if matplotlib.get_backend().lower() == "agg" or not _in_notebook():
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import FancyBboxPatch
+
+        colours = {"compute": "#5b8def", "split": "#f0a045", "eager": "#b5b5b5"}
+        rows = (len(self.pieces) + per_row - 1) // per_row or 1
+        fig, ax = plt.subplots(figsize=(min(len(self.pieces), per_row) * 1.25 + 0.5, rows * 1.3 + 0.6))
+        for p in self.pieces:
+            r, c = divmod(p.index, per_row)
+            y = (rows - 1 - r) * 1.3
+            ax.add_patch(FancyBboxPatch((c * 1.25, y), 1.05, 0.9, boxstyle="round,pad=0.02",
+                                        facecolor=colours.get(p.kind, "white"), edgecolor="black", linewidth=0.6))
+            if p.kind == "split":
+                ops = ", ".join("SDPA" if "scaled_dot_product" in op else op.split("::")[-1][:14] for op in p.split_ops)
+                text = f"{ops}\n{p.num_ops} ops"
+            else:
+                text = f"{p.name}\n{p.num_ops} ops"
+            if p.kind == "compute" and p.compiled_as and p.compiled_as != p.name:
+                text += f"\n= {p.compiled_as}"
+            ax.text(c * 1.25 + 0.525, y + 0.45, text, ha="center", va="center", fontsize=7)
+        ax.set_xlim(-0.1, min(len(self.pieces), per_row) * 1.25)
+        ax.set_ylim(-0.2, rows * 1.3)
+        ax.axis("off")
+        ax.set_title(f"graph {self.serial}: blue compiled + graphed, orange attention (eager), grey eager",
+                     fontsize=9)
+        fig.tight_layout()
+        return fig
+
+    def save_png(self, path, per_row: int = 12) -> str:
+        fig = self.figure(per_row)
+        fig.savefig(path, dpi=110)
+        import matplotlib.pyplot as plt
+
+        plt.close(fig)
+        return str(path)
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+
+        return get_ipython() is not None
+    except ImportError:
+        return False
+
+
+def report(graph=None) -> SplitReport:
+    """The report of ``graph`` (a CompiledGraph; default: the most recently compiled one)."""
+    from .backend import compiled_graphs
+
+    if graph is None:
+        graphs = compiled_graphs()
+        if not graphs:
+            raise RuntimeError("piecewise: nothing compiled yet; call a model compiled with "
+                               "torch.compile(model, backend='piecewise') first, or use inspect_split().")
+        graph = graphs[-1]
+    return SplitReport(graph)
+
+
+def reports() -> list[SplitReport]:
+    """Reports of every live compiled graph, oldest first."""
+    from .backend import compiled_graphs
+
+    return [SplitReport(g) for g in compiled_graphs()]
+
+
+def inspect_split(model: torch.nn.Module, *args, options: dict | None = None, **compile_kwargs) -> list[SplitReport]:
+    """Compile ``model`` with the piecewise backend, run it once on ``args`` (no grad), and return
+    the report of every graph that call compiled (usually one). Works on CPU."""
+    from .backend import compiled_graphs
+
+    before = {g.serial for g in compiled_graphs()}
+    compiled = torch.compile(model, backend="piecewise", options=options, **compile_kwargs)
+    with torch.no_grad():
+        compiled(*args)
+    return [SplitReport(g) for g in compiled_graphs() if g.serial not in before]
+
+
+@contextlib.contextmanager
+def debug_dump(folder: str):
+    """depyf's dump of what compiles inside the block: Dynamo's transformed bytecode, the graph before
+    and after the split, every piece's graph and Inductor's code, as files in ``folder``.
+
+    Needs ``depyf`` (``pip install depyf``); imported here only.
+    """
+    try:
+        import depyf
+    except ImportError as exc:
+        raise ImportError("piecewise: debug_dump needs depyf: pip install depyf") from exc
+    with depyf.prepare_debug(folder):
+        yield folder

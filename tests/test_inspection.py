@@ -1,0 +1,100 @@
+"""The inspection API on CPU: the split as a table and a picture, the pieces' code, a depyf dump."""
+
+import os
+
+import pytest
+import torch
+
+import piecewise_backend
+from piecewise_backend import cudagraphs
+from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyLlama, init_weights_
+
+CFG = ToyConfig(layers=3)
+
+
+@pytest.fixture(scope="module")
+def llama_report():
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(CFG)).eval()
+    (report,) = piecewise_backend.inspect_split(model, torch.randint(0, CFG.vocab, (2, 5)), 0)
+    return report
+
+
+def test_pieces_in_order_with_kinds_and_ops(llama_report):
+    assert [p.kind for p in llama_report.pieces] == ["compute", "split"] * CFG.layers + ["compute"]
+    assert all(p.num_ops > 0 for p in llama_report.pieces)
+    assert [p.label for p in llama_report.pieces if p.kind == "split"] == ["scaled_dot_product_attention"] * 3
+    # the cache write and the KV slices run eagerly next to attention, with the reason
+    assert any("writes graph input" in why for p in llama_report.pieces for why in p.why_eager)
+
+
+def test_shapes_carry_symbols_and_dtypes(llama_report):
+    first = llama_report.piece(0)
+    assert any(s.startswith("i64[") for s in first.inputs)  # token ids
+    assert "f32[" in first.output
+
+
+def test_shared_inductor_compiles_are_reported(llama_report):
+    groups = llama_report.inductor_compiles
+    assert sum(len(v) for v in groups.values()) == CFG.layers + 1
+    assert len(groups) == llama_report.graph.stats.inductor_compiles
+    assert llama_report.piece("submod_0").compiled_as == "submod_0"
+
+
+def test_code_of_a_piece_and_what_inductor_made_of_it(llama_report):
+    piece = llama_report.piece(2)
+    assert piece.kind == "compute" and "def forward" in piece.code
+    assert piece.inductor_code and "def call(" in piece.inductor_code
+    assert llama_report.piece(1).inductor_code is None  # attention runs eagerly
+
+
+def test_table_text_and_html(llama_report):
+    text = str(llama_report)
+    assert text.startswith(f"graph {llama_report.serial}: 7 pieces (4 compute, 3 split/eager)")
+    assert "CUDA graphs: off: graphs need CUDA tensors" in text
+    html = llama_report._repr_html_()
+    assert html.count("<tr") == 1 + len(llama_report.pieces) and "submod_3" in html
+
+
+def test_png_is_written(llama_report, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = llama_report.save_png(tmp_path / "split.png")
+    assert os.path.getsize(path) > 5000
+
+
+def test_report_of_the_last_compiled_graph_and_unknown_piece(llama_report):
+    assert piecewise_backend.report().serial == llama_report.serial
+    with pytest.raises(KeyError, match="no piece 'submod_99'"):
+        llama_report.piece("submod_99")
+
+
+def test_graphed_and_captured_columns_with_emulated_graphs():
+    torch._dynamo.reset()
+    cudagraphs.EMULATE_ON_CPU = True
+    try:
+        model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
+        ids = torch.randint(0, CFG.vocab, (4, 1))
+        torch._dynamo.mark_dynamic(ids, 0)
+        (report,) = piecewise_backend.inspect_split(model, ids, 0, options={
+            "extra_splitting_ops": ["toyattn::attention"], "capture_sizes": [2, 4]})
+    finally:
+        cudagraphs.EMULATE_ON_CPU = False
+    compute = [p for p in report.pieces if p.kind == "compute"]
+    assert all(p.graphed and p.captured == ((4,),) for p in compute)
+    assert [p.label for p in report.pieces if p.kind == "split"] == ["attention"] * CFG.layers
+
+
+def test_depyf_dump_holds_the_split_graph_and_every_piece(tmp_path):
+    pytest.importorskip("depyf")
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(ToyConfig(layers=2))).eval()
+    compiled = torch.compile(model, backend="piecewise")
+    with piecewise_backend.debug_dump(str(tmp_path)), torch.no_grad():
+        compiled(torch.randint(0, 128, (2, 4)), 0)
+    files = os.listdir(tmp_path)
+    assert any("piecewise_split_graph" in f for f in files), files
+    assert any("piecewise_input_graph" in f for f in files), files
+    for name in ("submod_0_compute", "submod_1_split", "submod_2_compute", "submod_3_split", "submod_4_compute"):
+        assert any(f"piecewise_{name}" in f for f in files), (name, files)
+    assert any("kernel" in f for f in files)  # Inductor's code
+    assert any(f.startswith("__transformed_code") for f in files)  # Dynamo's bytecode
