@@ -35,6 +35,7 @@ import traceback
 import torch
 
 import piecewise_backend
+from piecewise_backend.timing import sync, time_decode, timed
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
     sdpa_backends
 
@@ -49,56 +50,6 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition",
 
 def model_name(cfg: ToyConfig) -> str:
     return f"llama-{cfg.layers}L-{cfg.hidden}"
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-class StepTimer:
-    """Per-step wall time of a decode step: CUDA events on a GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: str):
-        self.device = device
-
-    def __call__(self, fn):
-        if self.device == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            return out, begin.elapsed_time(end)
-        start = time.perf_counter()
-        out = fn()
-        return out, (time.perf_counter() - start) * 1e3
-
-
-def decode(step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False,
-           mark_batch: bool = True) -> tuple[float, float]:
-    """(median ms per decode step over the second half, first call s) for prefill + ``steps`` steps."""
-    reset_caches(model)
-    timer = StepTimer(device)
-
-    def where(p, n):
-        return torch.arange(p, p + n, device=device) if tensor_pos else p
-
-    ids = torch.randint(0, model.cfg.vocab, (batch, prompt), device=device)
-    sync(device)
-    start = time.perf_counter()
-    logits = step(ids, where(0, prompt))
-    sync(device)
-    first_call = time.perf_counter() - start
-    pos, times = prompt, []
-    for _ in range(steps):
-        next_ids = logits[:, -1:].argmax(-1)
-        if mark_batch and batch > 1:
-            torch._dynamo.maybe_mark_dynamic(next_ids, 0)
-        logits, ms = timer(lambda: step(next_ids, where(pos, 1)))
-        times.append(ms)
-        pos += 1
-    return statistics.median(times[steps // 2:]), first_call
 
 
 def limit_step(model, batch: int, prompt: int, steps: int, device: str) -> tuple[float, float]:
@@ -117,8 +68,7 @@ def limit_step(model, batch: int, prompt: int, steps: int, device: str) -> tuple
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         compiled(ids, prompt)
-    timer = StepTimer(device)
-    times = [timer(graph.replay)[1] for _ in range(steps)]
+    times = [timed(graph.replay, device)[1] for _ in range(steps)]
     return statistics.median(times[steps // 2:]), first_call
 
 
@@ -139,13 +89,14 @@ def compiled_variant(variant: str, model):
 def run_variant(variant: str, model, static_twin, batch: int, args, device: str) -> dict:
     torch._dynamo.reset()
     if variant == "eager":
-        return dict(zip(("step_ms", "first_call_s"), decode(model, model, batch, args.prompt, args.steps, device)))
+        return dict(zip(("step_ms", "first_call_s"), time_decode(model, model, batch, args.prompt, args.steps,
+                                                                 device)))
     if variant == "limit":
         return dict(zip(("step_ms", "first_call_s"), limit_step(model, batch, args.prompt, args.steps, device)))
     target = static_twin if variant == "piecewise-full" else model
     step = compiled_variant(variant, target)
-    step_ms, first_s = decode(step, target, batch, args.prompt, args.steps, device,
-                              tensor_pos=variant == "piecewise-full")
+    step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
+                                   tensor_pos=variant == "piecewise-full")
     row = {"step_ms": step_ms, "first_call_s": first_s}
     if variant.startswith("piecewise"):
         graphs = piecewise_backend.compiled_graphs()

@@ -11,26 +11,8 @@ import time
 import torch
 
 from . import compiled_graphs
+from .timing import time_decode
 from .toy_models import ToyConfig, ToyLlama, init_weights_, reset_caches, sdpa_backends
-
-
-def _time_decode(step, model, batch: int, prompt: int, steps: int, device: str) -> float:
-    """Median seconds per decode step (after prefill and two warm-up steps)."""
-    reset_caches(model)
-    ids = torch.randint(0, model.cfg.vocab, (batch, prompt), device=device)
-    logits = step(ids, 0)
-    pos, times = prompt, []
-    for i in range(steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        logits = step(logits[:, -1:].argmax(-1), pos)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - start)
-        pos += 1
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv=None) -> None:
@@ -64,8 +46,8 @@ def main(argv=None) -> None:
         print(f"first calls (compile + prefill + first decode): {time.perf_counter() - start:.1f} s")
         rows = []
         for batch in args.batches:
-            eager = _time_decode(model, model, batch, prompt, args.steps, device)
-            piecewise = _time_decode(compiled, model, batch, prompt, args.steps, device)
+            eager = time_decode(model, model, batch, prompt, args.steps, device)[0] / 1e3
+            piecewise = time_decode(compiled, model, batch, prompt, args.steps, device)[0] / 1e3
             rows.append((batch, eager, piecewise))
 
     graph = compiled_graphs()[-1]  # the decode graph (dynamic in batch and position)

@@ -93,14 +93,19 @@ class LlamaAttention(nn.Module):
         self.register_buffer("v_cache", torch.zeros(cfg.max_batch, nh, cfg.max_seq, hd), persistent=False)
         self.attention = attention
 
-    def forward(self, x, cos, sin, pos: int):
+    def project(self, x, cos, sin):
+        """q, k, v as [B, heads, S, head_dim], RoPE applied to q and k."""
         B, S, _ = x.shape
         nh, hd = self.cfg.heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, S, nh, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, S, nh, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, S, nh, hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+    def forward(self, x, cos, sin, pos: int):
+        B, S, _ = x.shape
+        nh, hd = self.cfg.heads, self.cfg.head_dim
+        q, k, v = self.project(x, cos, sin)
         # The plain way: write this step's keys at `pos`, attend over the prefix [0, pos + S).
         self.k_cache[:B, :, pos : pos + S] = k
         self.v_cache[:B, :, pos : pos + S] = v
@@ -129,11 +134,7 @@ class StaticCacheAttention(LlamaAttention):
     def forward(self, x, cos, sin, cache_position: torch.Tensor):
         B, S, _ = x.shape
         nh, hd = self.cfg.heads, self.cfg.head_dim
-        q = self.q_proj(x).view(B, S, nh, hd).transpose(1, 2)
-        k = self.k_proj(x).view(B, S, nh, hd).transpose(1, 2)
-        v = self.v_proj(x).view(B, S, nh, hd).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k, v = self.project(x, cos, sin)
         self.k_cache[:B].index_copy_(2, cache_position, k)
         self.v_cache[:B].index_copy_(2, cache_position, v)
         mask = torch.arange(self.cfg.max_seq, device=x.device) <= cache_position.view(-1, 1)

@@ -1,0 +1,64 @@
+"""Timing a decode loop the one way the demo and the benchmarks share.
+
+Per step: CUDA events on a GPU (the GPU's view of the step, host overhead included because the next
+step cannot start before the host launched it), ``perf_counter`` on the CPU. The median over the
+second half of the steps leaves out compile, capture and warm-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from .toy_models import reset_caches
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str):
+    """(fn(), milliseconds it took)."""
+    if device == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        return out, begin.elapsed_time(end)
+    start = time.perf_counter()
+    out = fn()
+    return out, (time.perf_counter() - start) * 1e3
+
+
+def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False,
+                mark_batch: bool = True) -> tuple[float, float]:
+    """Prefill ``prompt`` random tokens at ``batch``, then ``steps`` greedy decode steps, KV growing.
+
+    Returns (median ms per decode step over the second half, seconds of the first call).
+    ``tensor_pos``: the model takes positions as a tensor (``ToyStaticCacheLlama``) instead of an int.
+    ``mark_batch``: mark the batch dim dynamic (one graph for every batch size).
+    """
+    reset_caches(model)
+
+    def where(p, n):
+        return torch.arange(p, p + n, device=device) if tensor_pos else p
+
+    ids = torch.randint(0, model.cfg.vocab, (batch, prompt), device=device)
+    sync(device)
+    start = time.perf_counter()
+    logits = step(ids, where(0, prompt))
+    sync(device)
+    first_call = time.perf_counter() - start
+    pos, times = prompt, []
+    for _ in range(steps):
+        next_ids = logits[:, -1:].argmax(-1)
+        if mark_batch and batch > 1:
+            torch._dynamo.maybe_mark_dynamic(next_ids, 0)
+        logits, ms = timed(lambda: step(next_ids, where(pos, 1)), device)
+        times.append(ms)
+        pos += 1
+    return statistics.median(times[steps // 2:]), first_call
