@@ -1,0 +1,75 @@
+"""Where a decode step's time goes: torch.profiler over a few steps of one variant.
+
+    python benchmarks/profile_step.py --variant piecewise [--model 16L --batch 8 --steps 6 --out prof/]
+
+Prints the top ops by self host time and by device time, and the host time of the whole step vs
+its device time (a step is host-bound when the host time is the larger); with ``--out`` writes a
+Chrome trace (open in https://ui.perfetto.dev). Variants as in suite.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from piecewise_backend.timing import sync
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
+    sdpa_backends
+from suite import MODELS, compiled_variant
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variant", default="piecewise",
+                        choices=["eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
+                                 "piecewise-full"])
+    parser.add_argument("--model", default="16L", choices=sorted(MODELS))
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    cfg = ToyConfig(**MODELS[args.model], max_batch=args.batch, max_seq=args.prompt + args.warmup + args.steps + 8)
+    tensor_pos = args.variant == "piecewise-full"
+    model = (ToyStaticCacheLlama if tensor_pos else ToyLlama)(cfg)
+    model = init_weights_(model).to(device=device, dtype=dtype).eval()
+    step = model if args.variant == "eager" else compiled_variant(args.variant, model)
+
+    def where(p, n):
+        return torch.arange(p, p + n, device=device) if tensor_pos else p
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.inference_mode(), sdpa_backends(device):
+        reset_caches(model)
+        logits = step(torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device), where(0, args.prompt))
+        pos = args.prompt
+        for _ in range(args.warmup):
+            ids = logits[:, -1:].argmax(-1)
+            torch._dynamo.maybe_mark_dynamic(ids, 0)
+            logits = step(ids, where(pos, 1))
+            pos += 1
+        sync(device)
+        with profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                ids = logits[:, -1:].argmax(-1)
+                torch._dynamo.maybe_mark_dynamic(ids, 0)
+                logits = step(ids, where(pos, 1))
+                pos += 1
+            sync(device)
+    averages = prof.key_averages()
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+    if device == "cuda":
+        print(averages.table(sort_by="self_cuda_time_total", row_limit=15))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.out, f"{args.variant}-{args.model}-b{args.batch}.json"))
+
+
+if __name__ == "__main__":
+    main()
