@@ -9,6 +9,22 @@ from piecewise_backend.splitting import split_graph
 from piecewise_backend.toy_models import reset_caches
 
 
+def compile_with_reference(model_cls, cfg, options, device="cpu"):
+    """A fresh Dynamo, a toy model compiled with the piecewise backend, and an identical eager copy.
+
+    Returns (compiled, reference, serial of the last graph before this compile).
+    """
+    import copy
+
+    from piecewise_backend.toy_models import init_weights_
+
+    torch._dynamo.reset()
+    start = last_serial()
+    model = init_weights_(model_cls(cfg)).to(device).eval()
+    reference = copy.deepcopy(model)
+    return torch.compile(model, backend="piecewise", options=options), reference, start
+
+
 def split_only(model, calls, options=None):
     """Run ``model`` under torch.compile with a backend that only splits (no Inductor).
 

@@ -7,7 +7,6 @@ that the caller sees its own batch size and eager's values, what is captured whe
 The same scenarios run with real graphs in test_cuda_capture.py.
 """
 
-import copy
 import warnings
 
 import pytest
@@ -15,9 +14,10 @@ import torch
 
 from piecewise_backend import cudagraphs
 from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import Encoder, assert_results_close, decode_at_sizes, graphs_since, last_serial
+from .helpers import Encoder, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, \
+    last_serial
 
 CFG = ToyConfig(layers=2, max_batch=12)
 SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
@@ -30,12 +30,8 @@ def emulate_graphs_on_cpu():
     cudagraphs.EMULATE_ON_CPU = False
 
 
-def _compile(model_cls, options, cfg=CFG):
-    torch._dynamo.reset()
-    start = last_serial()
-    model = init_weights_(model_cls(cfg)).eval()
-    reference = copy.deepcopy(model)
-    return torch.compile(model, backend="piecewise", options=options), reference, start
+def _compile(model_cls, options):
+    return compile_with_reference(model_cls, CFG, options)
 
 
 def _padded_graphs(start):

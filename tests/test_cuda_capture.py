@@ -1,6 +1,5 @@
 """Capture policy with real CUDA graphs: padding at every size, buckets, eager sizes, budgets, full mode."""
 
-import copy
 import logging
 import warnings
 
@@ -10,9 +9,10 @@ import torch
 import piecewise_backend
 from piecewise_backend import cudagraphs
 from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, OVER_BUDGET
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, sdpa_backends
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, sdpa_backends
 
-from .helpers import Encoder, assert_results_close, decode_at_sizes, graphs_since, last_serial
+from .helpers import Encoder, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, \
+    last_serial
 
 pytestmark = pytest.mark.cuda
 MAX = 16  # capture sizes 1, 2, 4, 8, 16 ("default" scheme up to 16)
@@ -22,11 +22,7 @@ TOL = {"atol": 2e-3, "rtol": 2e-3}
 
 
 def _compile(model_cls, options):
-    torch._dynamo.reset()
-    start = last_serial()
-    model = init_weights_(model_cls(CFG)).cuda().eval()
-    reference = copy.deepcopy(model)
-    return torch.compile(model, backend="piecewise", options=options), reference, start
+    return compile_with_reference(model_cls, CFG, options, device="cuda")
 
 
 def _buckets(sizes, capture_sizes):
