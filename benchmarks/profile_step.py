@@ -15,7 +15,7 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from piecewise_backend.timing import sync
+from piecewise_backend.cudagraphs import synchronize
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
     sdpa_backends
 from suite import MODELS, compiled_variant
@@ -49,19 +49,19 @@ def main() -> None:
         reset_caches(model)
         logits = step(torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device), where(0, args.prompt))
         pos = args.prompt
-        for _ in range(args.warmup):
-            ids = logits[:, -1:].argmax(-1)
-            torch._dynamo.maybe_mark_dynamic(ids, 0)
-            logits = step(ids, where(pos, 1))
-            pos += 1
-        sync(device)
-        with profile(activities=activities) as prof:
-            for _ in range(args.steps):
+
+        def decode(n: int) -> None:
+            nonlocal logits, pos
+            for _ in range(n):
                 ids = logits[:, -1:].argmax(-1)
                 torch._dynamo.maybe_mark_dynamic(ids, 0)
                 logits = step(ids, where(pos, 1))
                 pos += 1
-            sync(device)
+            synchronize(device)
+
+        decode(args.warmup)
+        with profile(activities=activities) as prof:
+            decode(args.steps)
     averages = prof.key_averages()
     print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
     if device == "cuda":

@@ -35,7 +35,8 @@ import traceback
 import torch
 
 import piecewise_backend
-from piecewise_backend.timing import sync, time_decode, timed
+from piecewise_backend.cudagraphs import synchronize
+from piecewise_backend.timing import time_decode, timed
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
     sdpa_backends
 
@@ -146,11 +147,11 @@ def first_output(variant: str, model_key: str, device: str) -> None:
     model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
     ids = torch.randint(0, cfg.vocab, (1, 256), device=device)
     with torch.inference_mode(), sdpa_backends(device):
-        sync(device)
+        synchronize(device)
         start = time.perf_counter()
         step = torch.compile(model) if variant == "inductor" else torch.compile(model, backend="piecewise")
         step(ids, 0)
-        sync(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
     from torch._dynamo.utils import counters
 

@@ -91,7 +91,7 @@ def non_owning_alias(t: torch.Tensor, size: Sequence[int] | None = None) -> torc
     captures (other pieces, other sizes) from reusing that memory. vLLM uses a C++ op for this;
     cudagraph_trees uses these two private constructors, and so do we. ``size`` replaces ``t``'s
     shape (same strides and offset): the padded tensor that ``t`` is the first rows of. The caller
-    checks that it fits in the storage (:func:`fits_in_storage`).
+    checks that it fits in the storage (``cudagraphs._fits_in_storage``).
     """
     storage = t.untyped_storage()
     meta = {

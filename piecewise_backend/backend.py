@@ -149,15 +149,20 @@ class CompiledGraph:
         return plan
 
     def _capturing_call(self, plan: Plan, args: tuple):
+        return self._capturing_step(plan.key, "lazy", dict(zip(self.key_symbols, plan.key)),
+                                    lambda: self._forward(*args))
+
+    def _capturing_step(self, key: tuple, how: str, sym_values: dict, run):
+        """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""
         step = self.step
         step.pool_ptrs.clear()
         step.staged.clear()
-        step.key_size = plan.key[self.pad_position] if self.pad_position is not None else None
-        step.sym_values = dict(zip(self.key_symbols, plan.key))
+        step.key_size = key[self.pad_position] if self.pad_position is not None else None
+        step.sym_values = sym_values
         before, start = self._pool_bytes(), time.perf_counter()
-        out = self._forward(*args)
+        out = run()
         synchronize(self._device)
-        self._record_capture(plan.key, "lazy", time.perf_counter() - start, before)
+        self._record_capture(key, how, time.perf_counter() - start, before)
         return out
 
     def _grad_allows_graphs(self) -> bool:
@@ -247,18 +252,11 @@ class CompiledGraph:
     def _capture_up_front(self, key: tuple) -> None:
         step = self.step
         step.graphing, step.key, step.size, step.padded = True, key, key[self.pad_position], False
-        step.key_size = key[self.pad_position]
-        step.pool_ptrs.clear()
-        step.staged.clear()
         step.refreshed.clear()
-        values = dict(self._template_values)
-        values.update(zip(self.key_symbols, key))
-        step.sym_values = values
-        before, start = self._pool_bytes(), time.perf_counter()
-        run_compute_pieces(self.split.graph_module, self.runners, self._fake_outputs, self._fake_inputs,
-                           self._template, self._static_inputs, values)
-        synchronize(self._device)
-        self._record_capture(key, "eager", time.perf_counter() - start, before)
+        values = {**self._template_values, **dict(zip(self.key_symbols, key))}
+        self._capturing_step(key, "eager", values, lambda: run_compute_pieces(
+            self.split.graph_module, self.runners, self._fake_outputs, self._fake_inputs, self._template,
+            self._static_inputs, values))
 
 
 def _progress(items: list, desc: str):
@@ -282,15 +280,15 @@ def _escaping_outputs(split_gm: torch.fx.GraphModule) -> dict[str, set]:
     return out
 
 
-def _static_args(split_gm: torch.fx.GraphModule, names: set[str]) -> dict[str, frozenset]:
-    """For each submodule, the positions of its args that are graph inputs named in ``names``."""
-    out = {}
-    for node in split_gm.graph.nodes:
-        if node.op == "call_module":
-            out[str(node.target)] = frozenset(
-                i for i, a in enumerate(node.args)
-                if isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in names)
-    return out
+def _input_args(split_gm: torch.fx.GraphModule) -> dict[str, dict[int, str]]:
+    """For each submodule: arg position -> name of the graph input passed there directly."""
+    return {str(node.target): {i: a.name for i, a in enumerate(node.args)
+                               if isinstance(a, torch.fx.Node) and a.op == "placeholder"}
+            for node in split_gm.graph.nodes if node.op == "call_module"}
+
+
+def _positions(inputs: dict[int, str], names) -> frozenset:
+    return frozenset(i for i, name in inputs.items() if name in names)
 
 
 def _key_sources(fake_inputs: list, needed: set) -> tuple[list, list, set]:
@@ -400,17 +398,17 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         graphs_disabled_reason=reason, padding=padding_note))
     step = StepState()
     escaping = _escaping_outputs(split_gm)
-    static_args = _static_args(split_gm, static_placeholders)
+    input_args = _input_args(split_gm)
     runners = {}
     for spec in split.pieces:
         submod = getattr(split_gm, spec.name)
         if spec.kind == COMPUTE:
             stats.pieces[spec.name] = PieceStats(spec.name)
             runners[spec.name] = PieceRunner(
-                spec.name, compiled[spec.name].fn, static_args[spec.name],
+                spec.name, compiled[spec.name].fn, _positions(input_args[spec.name], static_placeholders),
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
                 config.warmup_runs, config.clone_outputs, padding.get(spec.name),
-                _static_args(split_gm, set(spec.writes_inputs))[spec.name], staging[spec.name])
+                _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name])
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:

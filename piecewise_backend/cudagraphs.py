@@ -83,7 +83,9 @@ def _alias(t: torch.Tensor, size=None) -> torch.Tensor:
     return t.as_strided(size if size is not None else t.shape, t.stride(), t.storage_offset())
 
 
-def synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the GPU (a no-op for CPU devices)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -12,12 +12,8 @@ import time
 
 import torch
 
+from .cudagraphs import synchronize
 from .toy_models import reset_caches
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def timed(fn, device: str):
@@ -48,10 +44,10 @@ def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, t
         return torch.arange(p, p + n, device=device) if tensor_pos else p
 
     ids = torch.randint(0, model.cfg.vocab, (batch, prompt), device=device)
-    sync(device)
+    synchronize(device)
     start = time.perf_counter()
     logits = step(ids, where(0, prompt))
-    sync(device)
+    synchronize(device)
     first_call = time.perf_counter() - start
     pos, times = prompt, []
     for _ in range(steps):
