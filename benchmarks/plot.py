@@ -13,7 +13,7 @@ import json
 import pathlib
 
 VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
-                 "limit")
+                 "limit", "limit-full")
 
 
 def plot(rows: list[dict], png: pathlib.Path) -> None:
@@ -31,7 +31,7 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
             if points:
                 ax.plot(*zip(*points), marker="o", label=variant,
                         linewidth=2.5 if variant.startswith("piecewise") else 1.2,
-                        linestyle="--" if variant == "limit" else "-")
+                        linestyle="--" if variant.startswith("limit") else "-")
         ax.set_xscale("log", base=2)
         batches = sorted({r["batch"] for r in rows if r["model"] == model})
         ax.set_xticks(batches, [str(b) for b in batches])

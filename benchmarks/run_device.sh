@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/run_device.sh tests             # every test, CUDA ones included
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
+#   bash benchmarks/run_device.sh host              # host_breakdown.py: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
 #
 # Each part merges its keys into the repo's benchmarks/results/h200.json (stamped with the code hash)
@@ -26,9 +27,12 @@ case "$part" in
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
+  host)
+    (cd benchmarks && python host_breakdown.py --json "$OUT/host.json") 2>&1 | grep -v Warning | tee "$OUT/host.log"
+    record --host "$OUT/host.json" ;;
   suite)
     python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
-  *) echo "unknown part $part: tests, capture or suite" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, capture, host or suite" >&2; exit 2 ;;
 esac

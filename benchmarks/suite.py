@@ -13,6 +13,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
   (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache).
 * ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
   ``torch.cuda.graph`` and replayed: no host work at all; the floor for any backend.
+* ``limit-full``: the same for the graph-safe twin, the floor for ``piecewise-full`` (its masked
+  attention over the whole static cache is a different, slower kernel than ``limit``'s).
 
 Decode: prefill ``--prompt`` tokens, then ``--steps`` steps with the KV length growing each step;
 CUDA events; median over the second half. A variant that fails is a row with its error, never a
@@ -46,14 +48,15 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
-            "limit")
+            "limit", "limit-full")
 
 
 def model_name(cfg: ToyConfig) -> str:
     return f"llama-{cfg.layers}L-{cfg.hidden}"
 
 
-def limit_step(model, batch: int, prompt: int, steps: int, device: str) -> tuple[float, float]:
+def limit_step(model, batch: int, prompt: int, steps: int, device: str,
+               tensor_pos: bool = False) -> tuple[float, float]:
     """The whole Inductor-compiled decode step at one shape and position, replayed from one graph."""
     if device != "cuda":
         raise RuntimeError("the limit is a CUDA graph: needs a GPU")
@@ -61,14 +64,15 @@ def limit_step(model, batch: int, prompt: int, steps: int, device: str) -> tuple
     compiled = torch.compile(model, dynamic=False)
     reset_caches(model)
     ids = torch.randint(0, model.cfg.vocab, (batch, 1), device=device)
+    pos = torch.tensor([prompt], device=device) if tensor_pos else prompt
     start = time.perf_counter()
     for _ in range(3):  # compile and warm up at the fixed shape
-        compiled(ids, prompt)
+        compiled(ids, pos)
     torch.cuda.synchronize()
     first_call = time.perf_counter() - start
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        compiled(ids, prompt)
+        compiled(ids, pos)
     times = [timed(graph.replay, device)[1] for _ in range(steps)]
     return statistics.median(times[steps // 2:]), first_call
 
@@ -87,14 +91,16 @@ def compiled_variant(variant: str, model):
     raise ValueError(variant)
 
 
-def run_variant(variant: str, model, static_twin, batch: int, args, device: str) -> dict:
+def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dict:
     torch._dynamo.reset()
     if variant == "eager":
         return dict(zip(("step_ms", "first_call_s"), time_decode(model, model, batch, args.prompt, args.steps,
                                                                  device)))
-    if variant == "limit":
-        return dict(zip(("step_ms", "first_call_s"), limit_step(model, batch, args.prompt, args.steps, device)))
-    target = static_twin if variant == "piecewise-full" else model
+    if variant in ("limit", "limit-full"):
+        full = variant == "limit-full"
+        return dict(zip(("step_ms", "first_call_s"), limit_step(twin if full else model, batch, args.prompt,
+                                                                args.steps, device, tensor_pos=full)))
+    target = twin if variant == "piecewise-full" else model
     step = compiled_variant(variant, target)
     step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
                                    tensor_pos=variant == "piecewise-full")

@@ -123,3 +123,17 @@ def stop_pool_recording(device_index: int, pool) -> None:
 def is_static_input(node: torch.fx.Node) -> bool:
     """Did Dynamo mark this graph input as a parameter/buffer with a fixed address?"""
     return "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})
+
+
+def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward``, bound, with nothing around it.
+
+    Calling ``gm(...)`` goes through FX's lazy-recompile stub, its error-context wrapper and
+    ``nn.Module.__call__``: three Python layers per decode step for nothing, once the code exists.
+    ``_LazyGraphModule.force_recompile`` generates the code now (a no-op for a plain GraphModule).
+    """
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return gm.forward
+

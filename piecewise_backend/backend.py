@@ -10,6 +10,7 @@ batch (padding up to it), or says why the call runs un-graphed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import time
@@ -28,6 +29,7 @@ from .config import PiecewiseConfig
 from . import cudagraphs
 from .cudagraphs import PieceRunner, StepState, pool_bytes, synchronize
 from .padding import plan_padding
+from .position_writes import PLACEHOLDER, Rewrite, rewrite_writes
 from .precapture import run_compute_pieces, symbol_values
 from .splitting import COMPUTE, SplitGraph, split_graph
 from .staging import stage_keys
@@ -62,7 +64,8 @@ class CompiledGraph:
                  step: StepState, stats: GraphStats, config: PiecewiseConfig, key_sources: list,
                  key_symbols: list, pad_position: int | None, policy: CapturePolicy,
                  graphs_disabled_reason: str | None, any_requires_grad: bool, fake_inputs: list,
-                 fake_outputs: dict, static_inputs: frozenset):
+                 fake_outputs: dict, static_inputs: frozenset, rewrite: Rewrite | None = None,
+                 unmasked_writes: tuple = ()):
         CompiledGraph._serial += 1
         self.serial = CompiledGraph._serial
         self.split = split
@@ -86,7 +89,9 @@ class CompiledGraph:
         self._template_key: tuple = ()
         self._template_values: dict = {}
         self._warned: set = set()
-        self._forward = split.graph_module.forward
+        self._forward = _torch_internals.generated_forward(split.graph_module)
+        self.step_scalars = rewrite.scalars if rewrite is not None else None
+        self.unmasked_writes = unmasked_writes  # buffers compute pieces write at the caller's positions
 
     @property
     def pieces(self):
@@ -100,7 +105,8 @@ class CompiledGraph:
 
     @property
     def can_capture_up_front(self) -> bool:
-        return self.graphs_disabled_reason is None and self.pad_position is not None and self._template is not None
+        return (self.graphs_disabled_reason is None and self.pad_position is not None and self._template is not None
+                and not self.unmasked_writes)
 
     def shape_key(self, args) -> tuple:
         """The values of the batch symbols for this call (never the per-step scalars)."""
@@ -109,6 +115,8 @@ class CompiledGraph:
     # -- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
+        if self.step_scalars is not None:
+            args = self.step_scalars.refresh(args)  # positions of the KV writes moved into the graphs
         step = self.step
         self.stats.calls += 1
         if self.graphs_disabled_reason is not None or not self._grad_allows_graphs():
@@ -137,7 +145,11 @@ class CompiledGraph:
         if self._template is None:
             self._remember(key, args)
             if self.config.eager_sizes and self.pad_position is not None:
-                self.capture(self.config.eager_sizes)  # before the first output
+                if self.unmasked_writes:
+                    self._warn_once("eager sizes", f"piecewise: graph {self.serial}: eager_capture_sizes ignored: "
+                                                   f"{self._no_up_front_capture()}")
+                else:
+                    self.capture(self.config.eager_sizes)  # before the first output
         plan = self.policy.plan(key, self.captured, self._pool_bytes)
         if plan.miss is not None:
             self.stats.miss_details[plan.miss] = plan.detail
@@ -231,6 +243,8 @@ class CompiledGraph:
         if self._template is None:
             raise RuntimeError(f"piecewise: graph {self.serial} has not been called yet; call the compiled model "
                                f"once (capture() takes the weights and other sizes from that call).")
+        if self.unmasked_writes:
+            raise RuntimeError(f"piecewise: graph {self.serial} cannot capture up front: {self._no_up_front_capture()}")
         sizes = self.policy.sizes if sizes == "all" else tuple(sizes)
         unknown = [s for s in sizes if s not in self.policy.sizes]
         if unknown:
@@ -249,14 +263,21 @@ class CompiledGraph:
             done.append(key)
         return done
 
+    def _no_up_front_capture(self) -> str:
+        return (f"its compute pieces write {', '.join(self.unmasked_writes)} (full mode) at positions the inputs "
+                f"give, and capturing on made-up inputs would write garbage there. Its sizes are captured "
+                f"lazily, on the first real call at each size.")
+
     def _capture_up_front(self, key: tuple) -> None:
         step = self.step
         step.graphing, step.key, step.size, step.padded = True, key, key[self.pad_position], False
         step.refreshed.clear()
         values = {**self._template_values, **dict(zip(self.key_symbols, key))}
-        self._capturing_step(key, "eager", values, lambda: run_compute_pieces(
-            self.split.graph_module, self.runners, self._fake_outputs, self._fake_inputs, self._template,
-            self._static_inputs, values))
+        scalars = self.step_scalars.writes_disabled() if self.step_scalars is not None else contextlib.nullcontext()
+        with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
+            self._capturing_step(key, "eager", values, lambda: run_compute_pieces(
+                self.split.graph_module, self.runners, self._fake_outputs, self._fake_inputs, self._template,
+                self._static_inputs, values))
 
 
 def _progress(items: list, desc: str):
@@ -336,15 +357,22 @@ def _leading_dynamic_size(fake_inputs: list, symbols: list) -> int | None:
     return None
 
 
-def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list):
-    """(pad position in the key, padding per piece, why not padded or None, description)."""
+def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list,
+             rewrite: Rewrite | None):
+    """(pad position in the key, padding per piece, why not padded or None, description).
+
+    The KV writes moved into compute pieces (``position_writes``) are masked to the caller's rows,
+    so they neither forbid padding nor count as mixing rows.
+    """
     pad_position = _leading_dynamic_size(fake_inputs, symbols)
     if pad_position is None:
         return None, {}, None, "no dynamic batch size: one shape, captured as is"
     sym = symbols[pad_position]
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
-    writes = {p.name: p.writes_inputs for p in split.pieces if p.kind == COMPUTE}
-    per_piece, reason = plan_padding(sym, split.compute_nodes, pieces, writes)
+    masked = rewrite.buffers if rewrite is not None else frozenset()
+    writes = {p.name: tuple(w for w in p.writes_inputs if w not in masked) for p in split.pieces if p.kind == COMPUTE}
+    nodes = [n for n in split.compute_nodes if rewrite is None or n not in rewrite.nodes]
+    per_piece, reason = plan_padding(sym, nodes, pieces, writes)
     if reason:
         return pad_position, {}, reason, f"off for {sym}: {reason}; only exact capture sizes get graphs"
     return pad_position, per_piece, None, f"{sym} padded up to the next capture size"
@@ -363,12 +391,27 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         raise RuntimeError("piecewise backend: the graph has no fake example values; it must come from "
                            "torch.compile (Dynamo), not be called directly on an FX graph.")
     static_placeholders = {n.name for n in phs if _torch_internals.is_static_input(n)}
+    _log_graph("piecewise input graph", gm)
+    rewrite = None
+    if config.capture_kv_writes and _graphs_disabled_reason(config, example_inputs, set()) is None:
+        rewrite = rewrite_writes(gm, static_placeholders)
+    if rewrite is not None:  # one more graph input: the device tensor of step positions
+        gm = rewrite.graph_module
+        example_inputs = [*example_inputs, rewrite.scalars.tensor]
+        static_placeholders.add(PLACEHOLDER)
+        phs = facts.placeholders(gm.graph)
+        _log_graph("piecewise graph with the KV writes moved into compute", gm)
     static_inputs = frozenset(i for i, n in enumerate(phs) if n.name in static_placeholders)
-    fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
+    if rewrite is None:
+        fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
+    else:  # a tensor Dynamo never saw: its static shape, not a fresh symbol
+        fake_inputs = [*_torch_internals.fakify_inputs(example_inputs[:-1], fake_mode),
+                       fake_mode.from_tensor(rewrite.scalars.tensor, static_shapes=True)]
     any_requires_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs)
 
     writable = frozenset(static_placeholders) if config.mode == "full" else frozenset()
-    _log_graph("piecewise input graph", gm)
+    if rewrite is not None:
+        writable |= rewrite.buffers
     split = split_graph(gm, config.all_splitting_ops, writable)
     split_gm = split.graph_module
     _log_graph("piecewise split graph", split_gm)
@@ -386,7 +429,8 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     sources, symbols, missing = _key_sources(fake_inputs, needed - split.step_symbols)
     reason = _graphs_disabled_reason(config, fake_inputs, missing)
-    pad_position, padding, no_padding, padding_note = _padding(split, compiled, fake_outputs, fake_inputs, symbols)
+    pad_position, padding, no_padding, padding_note = _padding(split, compiled, fake_outputs, fake_inputs, symbols,
+                                                               rewrite)
     if not config.padding and pad_position is not None:
         padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
     policy = CapturePolicy(config, pad_position, no_padding)
@@ -413,8 +457,12 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:
             split_gm.__dict__[spec.name] = submod.forward  # skip nn.Module.__call__ overhead
+    masked = rewrite.buffers if rewrite is not None else frozenset()
+    unmasked_writes = tuple(dict.fromkeys(w for p in split.pieces if p.kind == COMPUTE for w in p.writes_inputs
+                                          if w not in masked))
     graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,
-                          reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs)
+                          reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs, rewrite,
+                          unmasked_writes)
     stats.serial = graph.serial
     graph.signatures = signatures
     _COMPILED.add(graph)

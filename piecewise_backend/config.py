@@ -64,6 +64,10 @@ class PiecewiseConfig:
         max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
             a capture that would exceed it does not happen; that size runs un-graphed.
         max_captured_sizes: cap on the number of sizes captured per compiled graph.
+        capture_kv_writes: move writes like ``cache[:B, :, pos:pos + S] = k`` (a buffer written at a
+            per-step Python-int position) into the captured graphs, with the position read from a
+            device tensor the graph refreshes once per call (see ``position_writes.py``). Off,
+            they run eagerly between replays, two kernel launches per layer.
     """
 
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
@@ -79,6 +83,7 @@ class PiecewiseConfig:
     lazy_capture: bool = True
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
+    capture_kv_writes: bool = True
 
     @property
     def all_splitting_ops(self) -> frozenset[str]:
@@ -114,7 +119,7 @@ class PiecewiseConfig:
                 f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}. "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture"):
+        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "capture_kv_writes"):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:

@@ -251,14 +251,19 @@ class PieceRunner:
         self.stage_keys = stage_keys or {}  # arg index -> stage key (see staging.py)
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
+        self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
 
     def __call__(self, *args):
+        """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
         step = self.step
-        if not step.graphing or step.key in self.failed_keys:
+        if not step.graphing:
             self.stats.ungraphed_runs += 1
             return self.fn(*args)
         captured = self.captures.get(step.key)
         if captured is None:
+            if step.key in self.failed_keys:
+                self.stats.ungraphed_runs += 1
+                return self.fn(*args)
             return self._capture(step.key, args)
         checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
             else (captured.checks, captured.outputs)
@@ -275,7 +280,7 @@ class PieceRunner:
                 self._copy_in(captured, i, buf, arg)
         captured.graph.replay()
         self.stats.replays += 1
-        return self._user_outputs(outputs)
+        return self._user_outputs(outputs) if self._clones else outputs
 
     # -- replay helpers ---------------------------------------------------------------------------
 
@@ -316,7 +321,7 @@ class PieceRunner:
         return self.fn(*args)
 
     def _user_outputs(self, outputs):
-        if not (self.clone_outputs and self.escaping_outputs):
+        if not self._clones:
             return outputs
         if not isinstance(outputs, tuple):
             return outputs.clone()

@@ -45,11 +45,21 @@ def every_size():
     finally:
         logger.removeHandler(handler)
         logger.setLevel(old_level)
-    return results, graphs_since(start), records
+    return results, graphs_since(start), records, compiled, reference
 
 
 def test_every_size_up_to_max_plus_10_matches_eager(every_size):
     assert_results_close(every_size[0], **TOL)
+
+
+def test_kv_writes_in_the_graphs_leave_the_cache_as_eager_does(every_size):
+    # position_writes.py: the writes replay inside the compute pieces, padded rows masked
+    graphs = [g for g in every_size[1] if g.pad_position is not None and g.stats.calls > 1]
+    assert graphs and all(g.step_scalars is not None for g in graphs)
+    compiled, reference = every_size[3], every_size[4]
+    for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
+        torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache, **TOL)
+        torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache, **TOL)
 
 
 def test_captures_equal_the_distinct_buckets_touched(every_size):
