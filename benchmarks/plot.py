@@ -12,8 +12,8 @@ import argparse
 import json
 import pathlib
 
-VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
-                 "limit", "limit-full")
+VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
+                 "piecewise-kv-eager", "piecewise-full", "limit", "limit-full")
 
 
 def plot(rows: list[dict], png: pathlib.Path) -> None:

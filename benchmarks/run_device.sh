@@ -31,7 +31,9 @@ case "$part" in
     (cd benchmarks && python host_breakdown.py --json "$OUT/host.json") 2>&1 | grep -v Warning | tee "$OUT/host.log"
     record --host "$OUT/host.json" ;;
   suite)
-    python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 | tee "$OUT/suite.log" | grep '^{'
+    # the suite saves each row as it goes: a run cut short by the timeout still records what it measured
+    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 \
+      | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
   *) echo "unknown part $part: tests, capture, host or suite" >&2; exit 2 ;;

@@ -9,6 +9,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``reduce-overhead``: Inductor + cudagraph trees, ``graph_partition`` off.
 * ``reduce-overhead+partition``: the same with Inductor's ``graph_partition`` on.
 * ``piecewise``: this backend, default options.
+* ``piecewise-kv-eager``: ``piecewise`` with ``capture_kv_writes=False`` (the KV-cache writes run
+  eagerly between replays, as before ``position_writes.py``): what moving them into the graphs gives.
 * ``piecewise-full``: this backend, ``mode="full"``, on the graph-safe twin of the model
   (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache).
 * ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
@@ -47,8 +49,8 @@ MODELS = {
     "28L": dict(vocab=32000, hidden=1536, layers=28, heads=12, intermediate=8960),
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
-VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-full",
-            "limit", "limit-full")
+VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
+            "piecewise-full", "limit", "limit-full")
 
 
 def model_name(cfg: ToyConfig) -> str:
@@ -86,6 +88,8 @@ def compiled_variant(variant: str, model):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
     if variant == "piecewise":
         return torch.compile(model, backend="piecewise")
+    if variant == "piecewise-kv-eager":
+        return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False})
     if variant == "piecewise-full":
         return torch.compile(model, backend="piecewise", options={"mode": "full"})
     raise ValueError(variant)
@@ -119,8 +123,8 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
     return row
 
 
-def decode_rows(args, device: str) -> list[dict]:
-    rows = []
+def decode_rows(args, device: str, rows: list) -> list[dict]:
+    """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for key in args.models:
         cfg = ToyConfig(**MODELS[key], max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
@@ -140,7 +144,17 @@ def decode_rows(args, device: str) -> list[dict]:
                     traceback.print_exc()
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                _save(args)
     return rows
+
+
+_RESULT: dict = {}
+
+
+def _save(args) -> None:
+    if getattr(args, "out", None):
+        with open(args.out, "w") as f:
+            json.dump(_RESULT, f, indent=1)
 
 
 # -- startup --------------------------------------------------------------------------------------
@@ -167,8 +181,7 @@ def first_output(variant: str, model_key: str, device: str) -> None:
                       "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0)}))
 
 
-def startup_rows(args, device: str) -> list[dict]:
-    rows = []
+def startup_rows(args, device: str, rows: list) -> list[dict]:
     for variant in ("inductor", "piecewise"):
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
@@ -183,6 +196,7 @@ def startup_rows(args, device: str) -> list[dict]:
                     row["error"] = (proc.stderr or proc.stdout)[-500:]
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                _save(args)
     return rows
 
 
@@ -200,12 +214,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.first_output:
         return first_output(args.first_output, args.models[0], args.device)
-    result = {"decode": decode_rows(args, args.device)}
-    if args.startup:
-        result["startup"] = startup_rows(args, args.device)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    _RESULT["decode"] = []
+    if args.startup:  # first: fresh processes, before this one fills the GPU with models
+        startup_rows(args, args.device, _RESULT.setdefault("startup", []))
+    decode_rows(args, args.device, _RESULT["decode"])
+    _save(args)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import suite  # noqa: E402
 def test_suite_rows_include_failures_as_rows():
     args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=4,
                               prompt=4)
-    rows = suite.decode_rows(args, "cpu")
+    rows = suite.decode_rows(args, "cpu", [])
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"eager", "piecewise", "limit"}
     assert by_variant["eager"]["step_ms"] > 0 and by_variant["piecewise"]["step_ms"] > 0
