@@ -23,7 +23,7 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models) + 2, 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         for variant in VARIANT_ORDER:
             points = sorted((r["batch"], r["step_ms"]) for r in rows
@@ -40,7 +40,7 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
         ax.set_ylabel("decode step, ms (median)")
         ax.set_title(model)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8)
+    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 

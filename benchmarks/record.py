@@ -1,7 +1,7 @@
 """Merge a device run into benchmarks/results/h200.json, stamped with the code hash.
 
     python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
-                                [--host host.json] --out h200.json
+                                [--host host.json] [--ab ab.json] --out h200.json
 
 Each part replaces only the keys it produces, so a run split over several device calls accumulates
 in one file.
@@ -57,6 +57,7 @@ def main() -> None:
     parser.add_argument("--capture")
     parser.add_argument("--suite")
     parser.add_argument("--host", help="host_breakdown.py's JSON")
+    parser.add_argument("--ab", help="ab_kv_writes.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -81,6 +82,8 @@ def main() -> None:
         result["code_hash"] = digest
     if args.host:
         result["host_breakdown"] = {**json.loads(pathlib.Path(args.host).read_text()), "code_hash": digest}
+    if args.ab:
+        result["ab_kv_writes"] = {**json.loads(pathlib.Path(args.ab).read_text()), "code_hash": digest}
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())
         for key in ("capture", "memory"):
