@@ -173,12 +173,25 @@ def first_output(variant: str, model_key: str, device: str) -> None:
         step(ids, 0)
         synchronize(device)
         seconds = time.perf_counter() - start
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import compile_times, counters
 
     inductor = counters["inductor"]  # graphs Inductor compiled or loaded from its cache
     graphs = sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
-    print(json.dumps({"seconds": round(seconds, 3), "inductor_graphs": graphs,
-                      "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0)}))
+    row = {"seconds": round(seconds, 3), "inductor_graphs": graphs,
+           "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0),
+           "phases_s": _top_phases(*compile_times(repr="csv", aggregate=True))}
+    if variant == "piecewise":
+        graph = piecewise_backend.compiled_graphs()[-1]
+        row["backend_s"] = {"build": round(graph.stats.build_seconds, 3),
+                            "inductor": round(graph.stats.inductor_seconds, 3),
+                            "capture": round(graph.stats.capture_seconds, 3)}
+    print(json.dumps(row))
+
+
+def _top_phases(names: list, values: list, n: int = 10) -> dict:
+    """Dynamo's own compile-time metrics (``dynamo_timed``), the ``n`` largest, in seconds."""
+    pairs = sorted(((float(v), k) for k, v in zip(names, values)), reverse=True)[:n]
+    return {k: round(v, 3) for v, k in pairs}
 
 
 def startup_rows(args, device: str, rows: list) -> list[dict]:

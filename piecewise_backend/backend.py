@@ -385,6 +385,7 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
+    started = time.perf_counter()
     fake_mode = _torch_internals.detect_fake_mode(example_inputs)
     phs = facts.placeholders(gm.graph)
     if fake_mode is None or any(facts.example_value(n) is None for n in phs):
@@ -464,6 +465,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                           reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs, rewrite,
                           unmasked_writes)
     stats.serial = graph.serial
+    stats.build_seconds = time.perf_counter() - started
     graph.signatures = signatures
     _COMPILED.add(graph)
     if config.mode == "full" and len(split.pieces) > 1:

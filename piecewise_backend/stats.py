@@ -48,6 +48,7 @@ class GraphStats:
     num_split_pieces: int = 0
     inductor_compiles: int = 0
     inductor_seconds: float = 0.0
+    build_seconds: float = 0.0  # the whole backend call (split, fake run, Inductor, runners)
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
