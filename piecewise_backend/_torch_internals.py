@@ -137,3 +137,14 @@ def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     _LazyGraphModule.force_recompile(gm)
     return gm.forward
 
+
+
+def resolve_process_group(group_name: str):
+    """The ProcessGroup a functional collective in a graph names (``group_name`` is a string there).
+
+    ``torch.distributed.distributed_c10d._resolve_process_group`` is what the functional collectives
+    themselves use to find it (same name and behaviour on 2.11 and 2.13).
+    """
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)

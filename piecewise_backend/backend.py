@@ -28,6 +28,7 @@ from .compiling import CompiledPiece, PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from . import cudagraphs
 from .cudagraphs import PieceRunner, StepState, pool_bytes, synchronize
+from .distributed import rank_agreement
 from .padding import plan_padding
 from .position_writes import PLACEHOLDER, Rewrite, rewrite_writes
 from .precapture import run_compute_pieces, symbol_values
@@ -434,7 +435,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                                                                rewrite)
     if not config.padding and pad_position is not None:
         padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
-    policy = CapturePolicy(config, pad_position, no_padding)
+    policy = CapturePolicy(config, pad_position, no_padding, rank_agreement(gm.graph))
 
     stats = register(GraphStats(
         num_pieces=len(split.pieces), num_compute_pieces=len(compute_names),

@@ -88,15 +88,19 @@ class CapturePolicy:
             graph has none (a graph Dynamo specialised to one batch size: its one key is captured
             as is).
         no_padding_reason: why this graph cannot be padded (None if it can).
+        agreement: for a graph with collectives, the other ranks' say in every budget decision
+            (``distributed.RankAgreement``), so all ranks capture the same sizes at the same call.
     """
 
-    def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None):
+    def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
+                 agreement=None):
         self.sizes = config.sizes
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
         self.no_padding_reason = no_padding_reason if config.padding else "padding=False in options"
         self.lazy = config.lazy_capture
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
+        self.agreement = agreement
 
     def bucket(self, size: int) -> int | None:
         """The capture size that serves ``size`` if it were captured (ignoring what is)."""
@@ -140,6 +144,9 @@ class CapturePolicy:
         bucket = key[self.pad_position] if self.pad_position is not None else None
         size = bucket if size is None else size
         refusal = self.budget.refusal(bucket, len(captured), pool_bytes() if self.budget.needs_pool_bytes else 0)
+        if self.agreement is not None and not self.agreement.all_allow(refusal is None) and refusal is None:
+            refusal = ("another rank of this graph's collective group is over its capture budget; every rank "
+                       "skips this size so their collectives stay paired")
         if refusal:
             return Plan(None, size, miss=OVER_BUDGET, detail=refusal)
         return Plan(key, size, padded=bucket != size, capture=True)

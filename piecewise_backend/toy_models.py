@@ -81,14 +81,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ToyConfig, attention=sdpa):
+    """``heads``: how many of the model's heads this module holds (all, or a tensor-parallel share)."""
+
+    def __init__(self, cfg: ToyConfig, attention=sdpa, heads: int | None = None):
         super().__init__()
         self.cfg = cfg
-        h, nh, hd = cfg.hidden, cfg.heads, cfg.head_dim
-        self.q_proj = nn.Linear(h, h, bias=False)
-        self.k_proj = nn.Linear(h, h, bias=False)
-        self.v_proj = nn.Linear(h, h, bias=False)
-        self.o_proj = nn.Linear(h, h, bias=False)
+        self.heads = nh = heads or cfg.heads
+        h, hd = cfg.hidden, cfg.head_dim
+        self.q_proj = nn.Linear(h, nh * hd, bias=False)
+        self.k_proj = nn.Linear(h, nh * hd, bias=False)
+        self.v_proj = nn.Linear(h, nh * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
         self.register_buffer("k_cache", torch.zeros(cfg.max_batch, nh, cfg.max_seq, hd), persistent=False)
         self.register_buffer("v_cache", torch.zeros(cfg.max_batch, nh, cfg.max_seq, hd), persistent=False)
         self.attention = attention
@@ -96,7 +99,7 @@ class LlamaAttention(nn.Module):
     def project(self, x, cos, sin):
         """q, k, v as [B, heads, S, head_dim], RoPE applied to q and k."""
         B, S, _ = x.shape
-        nh, hd = self.cfg.heads, self.cfg.head_dim
+        nh, hd = self.heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, S, nh, hd).transpose(1, 2)
         k = self.k_proj(x).view(B, S, nh, hd).transpose(1, 2)
         v = self.v_proj(x).view(B, S, nh, hd).transpose(1, 2)
@@ -104,7 +107,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin, pos: int):
         B, S, _ = x.shape
-        nh, hd = self.cfg.heads, self.cfg.head_dim
+        nh, hd = self.heads, self.cfg.head_dim
         q, k, v = self.project(x, cos, sin)
         # The plain way: write this step's keys at `pos`, attend over the prefix [0, pos + S).
         self.k_cache[:B, :, pos : pos + S] = k
@@ -116,11 +119,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ToyConfig):
+    """``intermediate``: the width this module holds (all, or a tensor-parallel share)."""
+
+    def __init__(self, cfg: ToyConfig, intermediate: int | None = None):
         super().__init__()
-        self.gate = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.up = nn.Linear(cfg.hidden, cfg.intermediate, bias=False)
-        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        width = intermediate or cfg.intermediate
+        self.gate = nn.Linear(cfg.hidden, width, bias=False)
+        self.up = nn.Linear(cfg.hidden, width, bias=False)
+        self.down = nn.Linear(width, cfg.hidden, bias=False)
 
     def forward(self, x):
         return self.down(F.silu(self.gate(x)) * self.up(x))
@@ -133,7 +139,7 @@ class StaticCacheAttention(LlamaAttention):
 
     def forward(self, x, cos, sin, cache_position: torch.Tensor):
         B, S, _ = x.shape
-        nh, hd = self.cfg.heads, self.cfg.head_dim
+        nh, hd = self.heads, self.cfg.head_dim
         q, k, v = self.project(x, cos, sin)
         self.k_cache[:B].index_copy_(2, cache_position, k)
         self.v_cache[:B].index_copy_(2, cache_position, v)
@@ -143,12 +149,12 @@ class StaticCacheAttention(LlamaAttention):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: ToyConfig, attention=sdpa, attn_cls=LlamaAttention):
+    def __init__(self, cfg: ToyConfig, attention=sdpa, attn_cls=LlamaAttention, mlp_cls=LlamaMLP):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden)
         self.attn = attn_cls(cfg, attention)
         self.mlp_norm = RMSNorm(cfg.hidden)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = mlp_cls(cfg)
 
     def forward(self, x, cos, sin, pos: int):
         x = x + self.attn(self.attn_norm(x), cos, sin, pos)

@@ -1,0 +1,68 @@
+"""Ranks that run in lockstep must capture in lockstep: capture decisions agreed across the group.
+
+A graph with a collective in it (a tensor-parallel all-reduce) runs on every rank of that
+collective's group with the same shapes at the same step. Decisions that depend only on the shape
+key (capture sizes, padding, lazy vs eager) are therefore the same on every rank. The budget's are
+not: each rank measures its own graph pool. And a rank that captures runs each piece more often
+than one that does not (warm-up, then the replay that produces the call's outputs), so its
+collectives would no longer pair up with the other ranks': NCCL hangs. So whenever the budget is
+asked, the ranks of every group the graph's collectives use agree, by an all-reduce of "allowed",
+and capture only if all allow.
+
+Which groups: read from the graph, the ``group_name`` argument of each ``_c10d_functional`` op (what
+``torch.distributed._functional_collectives`` traces to). A graph without collectives never talks
+to other ranks: data-parallel replicas that see different batch sizes keep deciding alone.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from . import _torch_internals
+
+
+def collective_groups(graph: torch.fx.Graph) -> list[str]:
+    """Names of the process groups the graph's functional collectives run on, in first-use order."""
+    names: dict[str, None] = {}
+    for node in graph.nodes:
+        target = node.target
+        if node.op != "call_function":
+            continue
+        if isinstance(target, torch._ops.OpOverloadPacket):  # Dynamo records the packet
+            target = getattr(target, "default", None)
+        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+            continue
+        for i, arg in enumerate(target._schema.arguments):
+            if arg.name == "group_name":
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if isinstance(value, str):
+                    names[value] = None
+    return list(names)
+
+
+class RankAgreement:
+    """``all_allow(ok)``: True only if every rank of every group passes True (one all-reduce each)."""
+
+    def __init__(self, group_names: list[str]):
+        self.group_names = group_names
+
+    def all_allow(self, ok: bool) -> bool:
+        import torch.distributed as dist
+
+        for name in self.group_names:
+            group = _torch_internals.resolve_process_group(name)
+            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+            flag = torch.tensor([int(ok)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            ok = bool(flag.item())
+        return ok
+
+    def __repr__(self) -> str:
+        return f"RankAgreement(groups={self.group_names})"
+
+
+def rank_agreement(graph: torch.fx.Graph) -> RankAgreement | None:
+    """The agreement the graph's capture decisions need, or None if it has no collectives."""
+    names = collective_groups(graph)
+    return RankAgreement(names) if names else None
