@@ -443,6 +443,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds,
         graphs_disabled_reason=reason, padding=padding_note))
     step = StepState()
+    masked = rewrite.buffers if rewrite is not None else frozenset()  # writes that repeat harmlessly
     escaping = _escaping_outputs(split_gm)
     input_args = _input_args(split_gm)
     runners = {}
@@ -454,12 +455,12 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                 spec.name, compiled[spec.name].fn, _positions(input_args[spec.name], static_placeholders),
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
                 config.warmup_runs, config.clone_outputs, padding.get(spec.name),
-                _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name])
+                _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name],
+                _positions(input_args[spec.name], set(spec.writes_inputs) - masked))
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:
             split_gm.__dict__[spec.name] = submod.forward  # skip nn.Module.__call__ overhead
-    masked = rewrite.buffers if rewrite is not None else frozenset()
     unmasked_writes = tuple(dict.fromkeys(w for p in split.pieces if p.kind == COMPUTE for w in p.writes_inputs
                                           if w not in masked))
     graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,

@@ -111,7 +111,7 @@ def _capture_stream(index: int) -> torch.cuda.Stream:
 
 
 def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], Any], warmup_runs: int = 0,
-                           device_index: int | None = None):
+                           device_index: int | None = None, after_warmup: Callable[[], None] | None = None):
     """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` (memory from ``pool``), on
     the device's capture stream; return the captured call's result.
 
@@ -124,6 +124,8 @@ def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], A
     with torch.cuda.stream(side):
         for _ in range(warmup_runs):
             fn()
+        if after_warmup is not None:
+            after_warmup()
         graph.capture_begin(pool=pool)
         try:
             result = fn()
@@ -232,12 +234,16 @@ class PieceRunner:
         escaping_outputs: indices of outputs the user sees (cloned out of the pool).
         step: the state the stitched graph shares with its runners.
         padding: which dims to pad, if the graph is padded (see ``padding.py``).
+        restore_after_warmup: the written args whose writes are not idempotent (full mode's
+            ``buf.mul_(...)``, an accumulator): saved before the warm-up runs and put back after,
+            so that a capturing call changes them once, like any other call. (The KV writes of
+            ``position_writes`` write the same values however often they run: not saved.)
     """
 
     def __init__(self, name: str, fn: Callable, static_args: frozenset, escaping_outputs: frozenset,
                  step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
                  padding: PiecePadding | None = None, written_args: frozenset = frozenset(),
-                 stage_keys: dict | None = None):
+                 stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset()):
         self.name = name
         self.fn = fn
         self.static_args = static_args
@@ -249,6 +255,7 @@ class PieceRunner:
         self.clone_outputs = clone_outputs
         self.padding = padding
         self.stage_keys = stage_keys or {}  # arg index -> stage key (see staging.py)
+        self.restore_after_warmup = restore_after_warmup
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
@@ -388,6 +395,17 @@ class PieceRunner:
             checks.append((i, buf, buf.data_ptr(), stage if stage in step.staged else None))
         return capture_args, checks
 
+    def _warmup_undo(self, capture_args: list) -> Callable[[], None] | None:
+        """What puts the non-idempotent written args back as they were before the warm-up runs."""
+        if not (self.warmup_runs and self.restore_after_warmup):
+            return None
+        saved = [(capture_args[i], capture_args[i].clone()) for i in sorted(self.restore_after_warmup)]
+
+        def restore() -> None:
+            for tensor, copy in saved:
+                tensor.copy_(copy)
+        return restore
+
     def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim, pad) -> torch.Tensor:
         """A buffer this runner owns, holding ``arg`` (in its first rows when padded).
 
@@ -407,14 +425,17 @@ class PieceRunner:
     def _record(self, capture_args: list, checks: list):
         step = self.step
         device = next((buf.device for _, buf, _, _ in checks), torch.device("cuda"))
+        restore = self._warmup_undo(capture_args)
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
             outputs = _as_tuple(capture_on_side_stream(graph, shared_graph_pool(device), lambda: self.fn(*capture_args),
-                                                       self.warmup_runs, _device_index(device)))
+                                                       self.warmup_runs, _device_index(device), restore))
             graph.replay()  # capture does not run kernels; this call's outputs come from a replay
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)
+            if restore is not None:
+                restore()
             graph = _EmulatedGraph(self.fn, capture_args)
             outputs = graph.outputs
 

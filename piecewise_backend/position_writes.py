@@ -21,9 +21,16 @@ The mask keeps the rewrite exactly as safe as the eager write:
 * positions are checked on the host against the buffer's size before anything runs, with an
   error that says which write and why (a device-side index error would kill the CUDA context).
 
-Only writes of this exact shape are rewritten (a parameter/buffer, plain slices, one slice that
-starts at a per-step Python int and is as long as the value, the other slices full or prefixes);
-any other write to the same buffer leaves all of that buffer's writes eager, as before.
+The graph-safe form, ``cache[:B].index_copy_(2, cache_position, k)`` (full mode), gets the same
+rewrite with ``cache_position`` itself as the index. It already replays in the graph, but through
+a view of a graph input, which Inductor can only do by copying ``cache[:B]`` out and back each step
+(the whole cache at batch 32); ``index_put_`` on the buffer writes the new rows in place. And being
+masked, it lets full mode pad and capture up front.
+
+Only writes of these exact shapes are rewritten (a parameter/buffer; plain slices, one that starts
+at a per-step Python int and is as long as the value, the others full or prefixes; or
+``index_copy_`` on a full/prefix slice of the buffer); any other write to the same buffer leaves
+all of that buffer's writes as they were.
 """
 
 from __future__ import annotations
@@ -55,9 +62,24 @@ class _Slot:
 
 @dataclasses.dataclass(frozen=True)
 class _Site:
-    node: torch.fx.Node
+    node: torch.fx.Node  # the write: a setitem, or an index_copy_
     buffer: torch.fx.Node
-    dims: tuple  # per indexed dim: ("full", size) | ("prefix", int or placeholder) | ("step", placeholder, n)
+    value: torch.fx.Node  # what it writes
+    # per indexed dim: ("full", size) | ("prefix", int or placeholder) | ("step", placeholder, n)
+    # | ("index", index tensor node)
+    dims: tuple
+
+
+def _dim(s, d: int, buffer_value: torch.Tensor, steps: frozenset, placeholders: dict):
+    """A full or prefix slice of dim ``d`` in our supported form, or None."""
+    if not isinstance(s, slice) or s.step is not None or s.start is not None:
+        return None
+    if s.stop is None:
+        return ("full", int(buffer_value.shape[d]))
+    if isinstance(s.stop, int) or (s.stop in placeholders
+                                   and not facts.value_symbols(facts.example_value(s.stop)) & steps):
+        return ("prefix", s.stop)
+    return None
 
 
 def _slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, placeholders: dict):
@@ -68,24 +90,41 @@ def _slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, plac
         return None
     dims, step_dims = [], 0
     for d, s in enumerate(index):
-        if not isinstance(s, slice) or s.step is not None:
-            return None
-        start, stop = s.start, s.stop
+        start = s.start if isinstance(s, slice) else None
         if isinstance(start, torch.fx.Node) and facts.value_symbols(facts.example_value(start)) & steps:
             n = value.shape[d]
-            if start not in placeholders or not isinstance(n, int):
+            if s.step is not None or start not in placeholders or not isinstance(n, int):
                 return None
             dims.append(("step", start, n))
             step_dims += 1
-        elif start is None and stop is None:
-            dims.append(("full", int(buffer_value.shape[d])))
-        elif start is None and (isinstance(stop, int) or stop in placeholders):
-            if isinstance(stop, torch.fx.Node) and facts.value_symbols(facts.example_value(stop)) & steps:
-                return None
-            dims.append(("prefix", stop))
         else:
-            return None
-    return tuple(dims) if step_dims == 1 else None
+            dims.append(_dim(s, d, buffer_value, steps, placeholders))
+    return tuple(dims) if step_dims == 1 and None not in dims else None
+
+
+def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset,
+                     placeholders: dict):
+    """The indexed dims of ``buffer[slices].index_copy_(dim, index, value)`` in our form, or None."""
+    if len(args) != 4 or not isinstance(args[1], int) or not isinstance(args[2], torch.fx.Node):
+        return None
+    buffer_value, value = facts.example_value(buffer), facts.example_value(args[3])
+    index = facts.example_value(args[2])
+    if not isinstance(value, torch.Tensor) or value.dim() != buffer_value.dim() \
+            or not isinstance(index, torch.Tensor) or index.dim() != 1:
+        return None
+    if view is buffer:
+        slices = ()
+    elif view.op == "call_function" and view.target is operator.getitem and view.args[0] is buffer:
+        slices = view.args[1] if isinstance(view.args[1], tuple) else (view.args[1],)
+    else:
+        return None
+    dim = args[1] % buffer_value.dim()
+    slices = slices + (slice(None),) * (dim + 1 - len(slices))
+    dims = [_dim(s, d, buffer_value, steps, placeholders) for d, s in enumerate(slices)]
+    if None in dims or dims[dim][0] != "full":
+        return None
+    dims[dim] = ("index", args[2])
+    return tuple(dims)
 
 
 def find_sites(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[_Site]:
@@ -97,16 +136,19 @@ def find_sites(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset)
     for node in graph.nodes:
         for written in facts.mutated_inputs(node):
             buffer = roots[written]
-            dims = None
-            if (node.op == "call_function" and node.target is operator.setitem and written is buffer
-                    and buffer.op == "placeholder" and buffer.name in static_inputs and not node.users):
-                _, index, value = node.args
-                dims = _slice_dims(facts.example_value(buffer), facts.example_value(value)
-                                   if isinstance(value, torch.fx.Node) else None, index, steps, placeholders)
+            dims = value = None
+            if buffer.op == "placeholder" and buffer.name in static_inputs and not node.users:
+                if node.op == "call_function" and node.target is operator.setitem and written is buffer:
+                    _, index, value = node.args
+                    dims = _slice_dims(facts.example_value(buffer), facts.example_value(value)
+                                       if isinstance(value, torch.fx.Node) else None, index, steps, placeholders)
+                elif node.op == "call_method" and node.target == "index_copy_" and not node.kwargs:
+                    value = node.args[-1]
+                    dims = _index_copy_dims(written, buffer, node.args, steps, placeholders)
             if dims is None:
                 disqualified.add(buffer)
             else:
-                sites.setdefault(buffer, []).append(_Site(node, buffer, dims))
+                sites.setdefault(buffer, []).append(_Site(node, buffer, value, dims))
     return [s for buffer, group in sites.items() if buffer not in disqualified for s in group]
 
 
@@ -170,16 +212,19 @@ class _Builder:
 def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> torch.fx.Node:
     graph = site.node.graph
     buffer_value = facts.example_value(site.buffer)
-    _, _, value = site.node.args
+    value = site.value
     add = _Builder(graph, site.node, fake_mode)
     device, ndim = buffer_value.device, buffer_value.dim()
     indices, mask = [], add("call_function", operator.ne, add("call_function", operator.getitem, scalars, _ENABLE), 0)
     last = len(site.dims) - 1
     for d, dim in enumerate(site.dims):
-        size = dim[1] if dim[0] != "step" else dim[2]
-        rows = add("call_function", torch.arange, size, device=device)
         shape = [1] * (last + 1)
         shape[d] = -1
+        if dim[0] == "index":  # index_copy_'s own index tensor
+            indices.append(add("call_method", "view", dim[1], shape))
+            continue
+        size = dim[1] if dim[0] != "step" else dim[2]
+        rows = add("call_function", torch.arange, size, device=device)
         if dim[0] == "step":
             start = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
             rows = add("call_function", operator.add, rows, start)
@@ -196,7 +241,10 @@ def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode)
         value = add("call_method", "to", value, buffer_value.dtype)
     new = add("call_function", torch.where, mask, value, old)
     put = add("call_method", "index_put_", site.buffer, indices, new)
+    view = site.node.args[0]
     graph.erase_node(site.node)
+    if view is not site.buffer and not view.users:  # index_copy_'s view of the buffer, now unused
+        graph.erase_node(view)
     return put
 
 
@@ -227,7 +275,7 @@ def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str]) -> Rewrite
     ``rewrite.scalars.refresh(args)`` instead of ``args``.
     """
     steps = facts.step_symbols(gm.graph)
-    if not steps or not find_sites(gm.graph, static_inputs, steps):
+    if not find_sites(gm.graph, static_inputs, steps):
         return None
     gm = _copy(gm)
     graph = gm.graph

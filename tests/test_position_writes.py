@@ -136,15 +136,32 @@ def test_a_buffer_with_another_write_stays_eager():
     assert all(g.step_scalars is None for g in graphs_since(start))
 
 
-def test_full_mode_writes_refuse_up_front_capture_with_the_reason():
+def test_full_mode_index_copy_writes_are_masked_so_up_front_capture_is_safe():
     compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, CFG, {
+        "mode": "full", "capture_sizes": [2, 4, 8], "eager_capture_sizes": [8, 4]})
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5), static_cache=True))
+    _assert_caches_equal(compiled._orig_mod, reference)  # up-front captures and padded rows wrote nothing
+    graph = _decode_graph(start)
+    assert graph.step_scalars is not None and graph.can_capture_up_front and "padded" in graph.stats.padding
+    assert [e.how for e in graph.stats.events][:2] == ["eager", "eager"]
+
+
+def test_full_mode_refuses_up_front_capture_for_writes_it_cannot_mask():
+    torch._dynamo.reset()
+    start = max((g.serial for g in graphs_since(0)), default=0)
+    net, reference = WrittenTwice().eval(), WrittenTwice().eval()
+    reference.load_state_dict(net.state_dict())
+    compiled = torch.compile(net, backend="piecewise", options={
         "mode": "full", "capture_sizes": [2, 4], "eager_capture_sizes": [4]})
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert_results_close(decode_at_sizes(compiled, reference, (2, 4), static_cache=True))
+        for pos, size in enumerate((2, 2, 4, 4)):
+            x = torch.randn(size, 1, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x, pos), reference(x, pos))
     assert any("eager_capture_sizes ignored" in str(w.message) for w in caught)
-    _assert_caches_equal(compiled._orig_mod, reference)
     graph = _decode_graph(start)
-    assert not graph.can_capture_up_front
+    assert not graph.can_capture_up_front and graph.unmasked_writes
     with pytest.raises(RuntimeError, match="cannot capture up front.*write garbage"):
         graph.capture([4])
