@@ -11,6 +11,9 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``piecewise``: this backend, default options.
 * ``piecewise-kv-eager``: ``piecewise`` with ``capture_kv_writes=False`` (the KV-cache writes run
   eagerly between replays, as before ``position_writes.py``): what moving them into the graphs gives.
+* ``piecewise-skip-guards``: ``piecewise`` decoding under
+  ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
+  tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
 * ``piecewise-full``: this backend, ``mode="full"``, on the graph-safe twin of the model
   (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache).
 * ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
@@ -50,7 +53,7 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-full", "limit", "limit-full")
+            "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
 
 
 def model_name(cfg: ToyConfig) -> str:
@@ -86,7 +89,7 @@ def compiled_variant(variant: str, model):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False})
     if variant == "reduce-overhead+partition":
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
-    if variant == "piecewise":
+    if variant in ("piecewise", "piecewise-skip-guards"):
         return torch.compile(model, backend="piecewise")
     if variant == "piecewise-kv-eager":
         return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False})
@@ -106,8 +109,13 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
                                                                 args.steps, device, tensor_pos=full)))
     target = twin if variant == "piecewise-full" else model
     step = compiled_variant(variant, target)
-    step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
-                                   tensor_pos=variant == "piecewise-full")
+    if variant == "piecewise-skip-guards":  # the stance refuses to compile: compile every graph first
+        _, first_s = time_decode(step, target, batch, args.prompt, 4, device)
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            step_ms, _ = time_decode(step, target, batch, args.prompt, args.steps, device)
+    else:
+        step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
+                                       tensor_pos=variant == "piecewise-full")
     row = {"step_ms": step_ms, "first_call_s": first_s}
     if variant.startswith("piecewise"):
         graphs = piecewise_backend.compiled_graphs()
