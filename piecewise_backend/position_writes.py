@@ -157,8 +157,9 @@ class StepScalars:
 
     def __init__(self, slots: list[_Slot], device: torch.device):
         self.slots = slots
-        self.tensor = torch.ones(1 + len(slots), dtype=torch.int64, device=device)
-        self._views = [self.tensor[j] for j in range(1 + len(slots))]
+        with torch.inference_mode(False):  # a normal tensor: filled in place under any grad mode
+            self.tensor = torch.ones(1 + len(slots), dtype=torch.int64, device=device)
+            self._views = [self.tensor[j] for j in range(1 + len(slots))]
         self._last: list = [None] * len(slots)
 
     def refresh(self, args: tuple) -> tuple:
