@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Device runs, in parts that fit one call each (10 minutes), accumulating in h200.json:
 #
-#   bash benchmarks/run_device.sh tests             # every test, CUDA ones included
+#   bash benchmarks/run_device.sh tests [ARGS...]   # every test, CUDA ones included (ARGS go to pytest:
+#                                                   #   -m cuda runs only the GPU tests, ~1 of ~4.5 min)
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host              # host_breakdown.py: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
@@ -22,7 +23,8 @@ record() {
 }
 case "$part" in
   tests)
-    python -m pytest -q -rs tests/ --junitxml="$OUT/pytest.xml" -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+    python -m pytest -q -rs tests/ --junitxml="$OUT/pytest.xml" -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" \
+      | tail -25
     record --junit "$OUT/pytest.xml" ;;
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
