@@ -13,7 +13,8 @@ import json
 import pathlib
 
 VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-kv-eager", "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
+                 "piecewise-kv-eager", "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full",
+                 "limit", "limit-full")
 
 
 def plot(rows: list[dict], png: pathlib.Path) -> None:

@@ -11,6 +11,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``piecewise``: this backend, default options.
 * ``piecewise-kv-eager``: ``piecewise`` with ``capture_kv_writes=False`` (the KV-cache writes run
   eagerly between replays, as before ``position_writes.py``): what moving them into the graphs gives.
+* ``piecewise-graph-attention``: ``piecewise`` with ``graph_attention=True`` (decode attention read
+  from the cache by a graph-safe kernel: the whole step is one graph).
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
   tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
@@ -53,7 +55,7 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
+            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
 
 
 def model_name(cfg: ToyConfig) -> str:
@@ -91,6 +93,8 @@ def compiled_variant(variant: str, model):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
     if variant in ("piecewise", "piecewise-skip-guards"):
         return torch.compile(model, backend="piecewise")
+    if variant == "piecewise-graph-attention":
+        return torch.compile(model, backend="piecewise", options={"graph_attention": True})
     if variant == "piecewise-kv-eager":
         return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False})
     if variant == "piecewise-full":

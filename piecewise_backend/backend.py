@@ -395,8 +395,9 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     static_placeholders = {n.name for n in phs if _torch_internals.is_static_input(n)}
     _log_graph("piecewise input graph", gm)
     rewrite = None
-    if config.capture_kv_writes and _graphs_disabled_reason(config, example_inputs, set()) is None:
-        rewrite = rewrite_writes(gm, static_placeholders)
+    if (config.capture_kv_writes or config.graph_attention) and \
+            _graphs_disabled_reason(config, example_inputs, set()) is None:
+        rewrite = rewrite_writes(gm, static_placeholders, config.capture_kv_writes, config.graph_attention)
     if rewrite is not None:  # one more graph input: the device tensor of step positions
         gm = rewrite.graph_module
         example_inputs = [*example_inputs, rewrite.scalars.tensor]

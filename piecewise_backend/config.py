@@ -68,6 +68,10 @@ class PiecewiseConfig:
             per-step Python-int position) into the captured graphs, with the position read from a
             device tensor the graph refreshes once per call (see ``position_writes.py``). Off,
             they run eagerly between replays, two kernel launches per layer.
+        graph_attention: replace decode SDPA over a growing prefix of a cache buffer
+            (``sdpa(q, k_cache[:B, :, :pos + 1], ...)``, one query position) with a graph-safe
+            attention that reads the length from the device (``graph_attention.py``): no eager
+            attention, so a decode step is one graph. Off by default: a different GPU kernel.
     """
 
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
@@ -84,6 +88,7 @@ class PiecewiseConfig:
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
     capture_kv_writes: bool = True
+    graph_attention: bool = False
 
     @property
     def all_splitting_ops(self) -> frozenset[str]:
@@ -119,7 +124,7 @@ class PiecewiseConfig:
                 f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}. "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "capture_kv_writes"):
+        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "capture_kv_writes", "graph_attention"):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:

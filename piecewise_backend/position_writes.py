@@ -44,6 +44,7 @@ import torch.fx
 
 from . import _torch_internals
 from . import graph_facts as facts
+from .graph_attention import find_attention_sites, rewrite_attention
 
 PLACEHOLDER = "piecewise_step_scalars"
 _ENABLE = 0  # slot 0: 1 = write, 0 = write every element back unchanged (up-front capture)
@@ -58,6 +59,7 @@ class _Slot:
     low: int  # value must be >= low ...
     high: int  # ... and <= high
     what: str  # the write it guards, for the error message
+    offset: int = 0  # the slot holds the input plus this (an attention length: pos + 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,14 +169,15 @@ class StepScalars:
 
         All are checked before any is written: a refused call leaves the device tensor as it was.
         """
-        values = [args[slot.arg] for slot in self.slots]
+        values = [args[slot.arg] + slot.offset for slot in self.slots]
         if values != self._last:
             for slot, value in zip(self.slots, values):
                 if not slot.low <= value <= slot.high:
-                    raise IndexError(f"piecewise: {slot.what} needs {slot.low} <= {slot.name} <= {slot.high}; got "
-                                     f"{slot.name} = {value}. The write would fall outside the buffer (eager "
-                                     f"PyTorch raises a shape error here too): make the buffer larger or stop "
-                                     f"before its end.")
+                    name = slot.name + (f" + {slot.offset}" if slot.offset else "")
+                    raise IndexError(f"piecewise: {slot.what} needs {slot.low} <= {name} <= {slot.high}; got "
+                                     f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
+                                     f"raises a shape error here too): make the buffer larger or stop before "
+                                     f"its end.")
             for j, (value, old) in enumerate(zip(values, self._last)):
                 if value != old:
                     self._views[1 + j].fill_(value)
@@ -210,14 +213,14 @@ class _Builder:
         return node
 
 
-def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> torch.fx.Node:
-    graph = site.node.graph
+def _indices(site: _Site, scalars: torch.fx.Node, slot_of: dict, add, masked: bool):
+    """The index tensors that address ``site``'s elements of its buffer, and (when ``masked``) the
+    mask of those a write may change: enabled, and within the caller's rows."""
     buffer_value = facts.example_value(site.buffer)
-    value = site.value
-    add = _Builder(graph, site.node, fake_mode)
     device, ndim = buffer_value.device, buffer_value.dim()
-    indices, mask = [], add("call_function", operator.ne, add("call_function", operator.getitem, scalars, _ENABLE), 0)
-    last = len(site.dims) - 1
+    mask = add("call_function", operator.ne, add("call_function", operator.getitem, scalars, _ENABLE), 0) \
+        if masked else None
+    indices, last = [], len(site.dims) - 1
     for d, dim in enumerate(site.dims):
         shape = [1] * (last + 1)
         shape[d] = -1
@@ -227,16 +230,24 @@ def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode)
         size = dim[1] if dim[0] != "step" else dim[2]
         rows = add("call_function", torch.arange, size, device=device)
         if dim[0] == "step":
-            start = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
+            start = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
             rows = add("call_function", operator.add, rows, start)
-        elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node):
-            limit = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
+        elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node) and masked:
+            limit = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
             keep = add("call_function", operator.lt, rows, limit)
             full_shape = [1] * ndim
             full_shape[d] = -1
             mask = add("call_function", operator.and_, mask, add("call_method", "view", keep, full_shape))
         indices.append(add("call_method", "view", rows, shape))
-    indices = tuple(indices)
+    return tuple(indices), mask
+
+
+def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> torch.fx.Node:
+    graph = site.node.graph
+    buffer_value = facts.example_value(site.buffer)
+    value = site.value
+    add = _Builder(graph, site.node, fake_mode)
+    indices, mask = _indices(site, scalars, slot_of, add, masked=True)
     old = add("call_function", operator.getitem, site.buffer, indices)
     if facts.example_value(value).dtype != buffer_value.dtype:
         value = add("call_method", "to", value, buffer_value.dtype)
@@ -249,12 +260,49 @@ def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode)
     return put
 
 
+def find_reads(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[_Site]:
+    """Slices of never-written buffers at a per-step position (``cos[pos:pos + S]``), whose users
+    only read them: an in-graph gather gives the same values, and the eager slice and its copy into
+    every graph that reads it go away."""
+    placeholders = {n: i for i, n in enumerate(facts.placeholders(graph))}
+    roots = facts.alias_roots(graph)
+    written = {roots[m] for n in graph.nodes for m in facts.mutated_inputs(n)}
+    sites = []
+    for node in graph.nodes:
+        if not (node.op == "call_function" and node.target is operator.getitem and node.users):
+            continue
+        buffer, index = node.args
+        if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_inputs
+                and buffer not in written and not any(facts.mutated_inputs(u) for u in node.users)):
+            continue
+        dims = _slice_dims(facts.example_value(buffer), facts.example_value(node), index, steps, placeholders)
+        if dims is not None:
+            sites.append(_Site(node, buffer, None, dims))
+    return sites
+
+
+def _drop_orphaned_scalars(graph: torch.fx.Graph) -> None:
+    """Scalar arithmetic (``pos + 1``) left without users by the rewrites: it would be an eager piece
+    of its own, doing nothing."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and not node.users and facts.is_sym_node(node):
+            graph.erase_node(node)
+
+
+def _rewrite_read(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> None:
+    add = _Builder(site.node.graph, site.node, fake_mode)
+    indices, _ = _indices(site, scalars, slot_of, add, masked=False)
+    site.node.replace_all_uses_with(add("call_function", operator.getitem, site.buffer, indices))
+    site.node.graph.erase_node(site.node)
+
+
 @dataclasses.dataclass
 class Rewrite:
     graph_module: torch.fx.GraphModule  # a copy of the input with the writes rewritten
     scalars: StepScalars
     buffers: frozenset  # names of the buffers whose writes now run in compute pieces
     nodes: frozenset  # the index_put_ nodes (masked: they never mix padded rows into real ones)
+    attention: int = 0  # SDPA calls replaced by graph-safe ``prefix_attention`` (graph_attention.py)
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -269,48 +317,77 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, graph)
 
 
-def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str]) -> Rewrite | None:
-    """A copy of ``gm`` with the qualifying writes rewritten; None if there are none.
+class _Slots:
+    """Step scalars by (graph input, constant added), with the tightest bounds any user needs."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.position = {n: i for i, n in enumerate(facts.placeholders(graph))}
+        self.slots: list[_Slot] = []
+        self.index: dict = {}  # (placeholder, offset) -> index in the device tensor (0 is the enable flag)
+
+    def need(self, node: torch.fx.Node, offset: int, low: int, high: int, what: str) -> None:
+        key = (node, offset)
+        if key in self.index:
+            j = self.index[key] - 1
+            old = self.slots[j]
+            self.slots[j] = dataclasses.replace(old, low=max(old.low, low), high=min(old.high, high),
+                                                what=old.what if old.high <= high else what)
+        else:
+            self.slots.append(_Slot(self.position[node], node.name, low, high, what, offset))
+            self.index[key] = len(self.slots)
+
+
+def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str], writes: bool = True,
+                   attention: bool = False) -> Rewrite | None:
+    """A copy of ``gm`` with the qualifying KV writes (``writes``) and decode attention calls
+    (``attention``, see graph_attention.py) rewritten; None if there are none.
 
     The copy has one more graph input, :data:`PLACEHOLDER`, after the others: the caller passes
     ``rewrite.scalars.refresh(args)`` instead of ``args``.
     """
     steps = facts.step_symbols(gm.graph)
-    if not find_sites(gm.graph, static_inputs, steps):
+
+    def sites_of(graph):
+        return (find_sites(graph, static_inputs, steps) if writes else [],
+                find_attention_sites(graph, static_inputs, steps) if attention else [],
+                find_reads(graph, static_inputs, steps) if attention else [])
+
+    if not any(sites_of(gm.graph)[:2]):
         return None
     gm = _copy(gm)
     graph = gm.graph
-    sites = find_sites(graph, static_inputs, steps)
-    placeholders = facts.placeholders(graph)
-    position = {n: i for i, n in enumerate(placeholders)}
-    slots, slot_of = [], {}
+    sites, attention_sites, reads = sites_of(graph)
+    slots = _Slots(graph)
+    for site in reads:
+        for d, dim in enumerate(site.dims):
+            if dim[0] == "step":
+                slots.need(dim[1], 0, 0, int(facts.example_value(site.buffer).shape[d]) - dim[2],
+                           f"the read of {site.buffer.name} at dim {d}")
     for site in sites:
         shape = facts.example_value(site.buffer).shape
         for d, dim in enumerate(site.dims):
             what = f"the write into {site.buffer.name} at dim {d}"
             if dim[0] == "step":
-                bound = (dim[1], 0, int(shape[d]) - dim[2])
+                slots.need(dim[1], 0, 0, int(shape[d]) - dim[2], what)
             elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node):
-                bound = (dim[1], 0, int(shape[d]))
-            else:
-                continue
-            node, low, high = bound
-            if node in slot_of:
-                j = slot_of[node] - 1
-                old = slots[j]
-                slots[j] = dataclasses.replace(old, low=max(old.low, low), high=min(old.high, high),
-                                               what=old.what if old.high <= high else what)
-            else:
-                slots.append(_Slot(position[node], node.name, low, high, what))
-                slot_of[node] = len(slots)  # slot 0 is the enable flag
-    buffer_value = facts.example_value(sites[0].buffer)
-    scalars = StepScalars(slots, buffer_value.device)
+                slots.need(dim[1], 0, 0, int(shape[d]), what)
+    for site in attention_sites:
+        slots.need(*site.length, 1, site.size, f"the attention over {site.buffers[0].name}")
+    first = sites[0].buffer if sites else attention_sites[0].buffers[0]
+    buffer_value = facts.example_value(first)
+    scalars = StepScalars(slots.slots, buffer_value.device)
     fake_mode = buffer_value.fake_mode
-    with graph.inserting_after(placeholders[-1]):
+    with graph.inserting_after(facts.placeholders(graph)[-1]):
         node = graph.placeholder(PLACEHOLDER)
     with _torch_internals.fake_propagation(fake_mode):
         node.meta["example_value"] = fake_mode.from_tensor(scalars.tensor, static_shapes=True)
-    puts = [_rewrite_site(site, node, slot_of, fake_mode) for site in sites]
+    puts = [_rewrite_site(site, node, slots.index, fake_mode) for site in sites]
+    for site in reads:
+        _rewrite_read(site, node, slots.index, fake_mode)
+    for site in attention_sites:
+        add = _Builder(graph, site.node, fake_mode)
+        rewrite_attention(site, add("call_function", operator.getitem, node, slots.index[site.length]), add)
+    _drop_orphaned_scalars(graph)
     graph.lint()
     gm.recompile()
-    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), frozenset(puts))
+    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), frozenset(puts), len(attention_sites))

@@ -147,3 +147,15 @@ def test_full_mode_pads_a_graph_safe_model_at_every_size():
     graph = max(graphs_since(start), key=lambda g: g.stats.calls)
     assert graph.stats.num_pieces == 1 and "padded" in graph.stats.padding
     assert graph.captured == _buckets(graph.stats.batch_sizes, (1, 2, 4, 8, 16))
+
+
+def test_graph_attention_makes_the_decode_step_one_graph_at_every_size():
+    compiled, reference, start = _compile(ToyLlama, {"max_capture_size": MAX, "graph_attention": True})
+    with torch.no_grad(), sdpa_backends("cuda"):
+        results = decode_at_sizes(compiled, reference, SIZES, device="cuda")
+    assert_results_close(results, **TOL)
+    graphs = [g for g in graphs_since(start) if g.pad_position is not None and g.stats.calls > 1]
+    assert graphs and all(g.stats.num_pieces == 1 and g.stats.replays > 0 for g in graphs), \
+        [g.stats.summary() for g in graphs]
+    for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
+        torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache, **TOL)

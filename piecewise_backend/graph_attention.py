@@ -1,0 +1,139 @@
+"""Decode attention over a growing prefix of a KV-cache buffer, made graph-safe (``graph_attention``).
+
+``sdpa(q, k_cache[:B, :, :pos + 1], v_cache[:B, :, :pos + 1])`` reads a prefix whose length changes
+every step, which is why attention is split out and run eagerly. On the H200 machine that eager
+SDPA costs ~30 µs of host time per layer (selection, allocations, two kernels), plus a copy of its
+output into the next graph: most of a small model's step. The same attention can read its length
+from device memory: ``piecewise::prefix_attention(q, k_cache, v_cache, length)`` runs the
+memory-efficient kernel over the whole buffer with ``seqlen_k = length``, which stops at the live
+prefix (so its cost follows the live length, not the buffer's), and its launch is the same at
+every step. It can be captured, so the decode step becomes one graph.
+
+The GPU kernel is not the flash-decoding one SDPA picks, so per layer the GPU may spend a little
+more; when the step is host-bound (small batches) that is far outweighed. Hence an option, off by
+default until measured.
+
+Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag, and
+whose keys and values are ``buffer[:B, :, :stop]`` of parameters/buffers, ``stop`` being a per-step
+int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from . import graph_facts as facts
+from .op_names import canonical_op_name
+
+
+@torch.library.custom_op("piecewise::prefix_attention", mutates_args=())
+def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     length: torch.Tensor) -> torch.Tensor:
+    """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``."""
+    batch = q.shape[0]
+    keys, values = k_cache[:batch], v_cache[:batch]
+    if q.is_cuda:
+        seqlen = length.to(torch.int32).reshape(1).expand(batch).contiguous()
+        out = torch.ops.aten._efficient_attention_forward(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None, None, q.shape[2],
+            keys.shape[2], 0.0, 0, False, seqlen_k=seqlen)[0]
+        return out.transpose(1, 2).contiguous()
+    mask = (torch.arange(keys.shape[2], device=q.device) < length).view(1, -1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).contiguous()
+
+
+@prefix_attention.register_fake
+def _(q, k_cache, v_cache, length):
+    return q.new_empty(q.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSite:
+    node: torch.fx.Node  # the SDPA call
+    query: torch.fx.Node
+    buffers: tuple  # (k buffer placeholder, v buffer placeholder)
+    views: tuple  # the prefix views the call read (erased when unused)
+    length: tuple  # (placeholder of the per-step int, constant added to it)
+    size: int  # the buffers' length along the sliced dim
+
+
+def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset):
+    """(buffer, stop, batch) if ``node`` is ``buffer[:batch, :, :stop]`` with a per-step ``stop``."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    buffer, index = node.args
+    if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_inputs
+            and isinstance(index, tuple) and len(index) == 3 and all(isinstance(s, slice) for s in index)):
+        return None
+    rows, heads, positions = index
+    if rows.start is not None or rows.step is not None or heads != slice(None) or positions.start is not None \
+            or positions.step is not None or not isinstance(positions.stop, torch.fx.Node):
+        return None
+    if not facts.value_symbols(facts.example_value(positions.stop)) & steps:
+        return None
+    return buffer, positions.stop, rows.stop
+
+
+def _same_size(rows, batch) -> bool:
+    """Is the views' row prefix (a node, an int or None) the query's batch size?"""
+    value = facts.example_value(rows) if isinstance(rows, torch.fx.Node) else rows
+    if isinstance(value, torch.SymInt) and isinstance(batch, torch.SymInt):
+        return value.node.expr == batch.node.expr
+    return value == batch
+
+
+def _length(stop: torch.fx.Node, placeholders: dict):
+    """``stop`` as (per-step placeholder, constant): ``pos`` or ``pos + 1``; None otherwise."""
+    if stop in placeholders:
+        return stop, 0
+    if stop.op == "call_function" and stop.target is operator.add and len(stop.args) == 2:
+        a, b = stop.args
+        if a in placeholders and isinstance(b, int):
+            return a, b
+        if b in placeholders and isinstance(a, int):
+            return b, a
+    return None
+
+
+def find_attention_sites(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> list[AttentionSite]:
+    if not steps:
+        return []
+    placeholders = {n: i for i, n in enumerate(facts.placeholders(graph))}
+    sites = []
+    for node in graph.nodes:
+        if node.op != "call_function" or canonical_op_name(node.target) != "aten::scaled_dot_product_attention":
+            continue
+        if len(node.args) != 3 or any(k not in ("is_causal",) for k in node.kwargs) or node.kwargs.get("is_causal"):
+            continue
+        query = node.args[0]
+        q = facts.example_value(query)
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] != 1:
+            continue
+        views = [_prefix_view(a, static_inputs, placeholders, steps) for a in node.args[1:]]
+        if None in views or views[0][1] is not views[1][1] or not all(_same_size(v[2], q.shape[0]) for v in views):
+            continue
+        length = _length(views[0][1], placeholders)
+        buffers = (views[0][0], views[1][0])
+        shapes = [facts.example_value(b).shape for b in buffers]
+        if length is None or shapes[0] != shapes[1]:
+            continue
+        sites.append(AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2])))
+    return sites
+
+
+def rewrite_attention(site: AttentionSite, length_value: torch.fx.Node, add) -> torch.fx.Node:
+    """Replace the SDPA call with ``prefix_attention`` reading ``length_value``; ``add`` builds nodes."""
+    node = add("call_function", torch.ops.piecewise.prefix_attention.default, site.query, *site.buffers,
+               length_value)
+    site.node.replace_all_uses_with(node)
+    graph = site.node.graph
+    graph.erase_node(site.node)
+    for view in dict.fromkeys(site.views):
+        if not view.users:
+            graph.erase_node(view)
+    return node
