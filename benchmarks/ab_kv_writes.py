@@ -21,16 +21,14 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import piecewise_backend
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, reset_caches, sdpa_backends
-from suite import MODELS
+from piecewise_backend.toy_models import reset_caches, sdpa_backends
+from suite import MODELS, next_ids, toy_model
 
 VARIANTS = {"kv-in-graphs": {}, "kv-eager": {"capture_kv_writes": False}}
 
 
 def _step(state: dict) -> None:
-    ids = state["logits"][:, -1:].argmax(-1)
-    torch._dynamo.maybe_mark_dynamic(ids, 0)
-    state["logits"] = state["step"](ids, state["pos"])
+    state["logits"] = state["step"](next_ids(state["logits"]), state["pos"])
     state["pos"] += 1
 
 
@@ -62,8 +60,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--json")
     args = parser.parse_args()
-    cfg = ToyConfig(**MODELS[args.model], max_batch=max(args.batches), max_seq=args.prompt + 2 * args.steps + 16)
-    base = init_weights_(ToyLlama(cfg)).to(device="cuda", dtype=torch.bfloat16).eval()
+    base = toy_model(args.model, "cuda", max_batch=max(args.batches), max_seq=args.prompt + 2 * args.steps + 16)
+    cfg = base.cfg
     models = {name: copy.deepcopy(base) for name in VARIANTS}
     steps = {name: torch.compile(models[name], backend="piecewise", options=opts) for name, opts in VARIANTS.items()}
     rows = []

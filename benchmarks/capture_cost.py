@@ -18,7 +18,8 @@ import time
 import torch
 
 import piecewise_backend
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
+from piecewise_backend.toy_models import sdpa_backends
+from suite import toy_model
 
 POS = 8
 
@@ -108,9 +109,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--max-size", type=int, default=512)
     args = parser.parse_args()
-    cfg = ToyConfig(vocab=32000, hidden=1024, layers=args.layers, heads=16, intermediate=2816,
-                    max_batch=args.max_size, max_seq=64)
-    model = init_weights_(ToyLlama(cfg)).to(device="cuda", dtype=torch.bfloat16).eval()
+    model = toy_model("16L", "cuda", layers=args.layers, max_batch=args.max_size, max_seq=64)
+    cfg = model.cfg
     with torch.inference_mode(), sdpa_backends("cuda"):
         memory = all_sizes_up_front(model, args.max_size)
         one = one_size(model)

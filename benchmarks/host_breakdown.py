@@ -27,8 +27,8 @@ import piecewise_backend
 from piecewise_backend import cudagraphs
 from piecewise_backend.cudagraphs import PieceRunner, synchronize
 from piecewise_backend.splitting import COMPUTE
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, reset_caches, sdpa_backends
-from suite import MODELS
+from piecewise_backend.toy_models import ToyConfig, reset_caches, sdpa_backends
+from suite import MODELS, next_ids, toy_model
 
 
 class _Clock:
@@ -51,6 +51,7 @@ class _Clock:
 
 
 def _instrument(graph, clock: _Clock) -> None:
+    graphed = graph._device.type == "cuda"  # emulated graphs (CPU): replays stubbed out
     gm = graph.split.graph_module
     for spec in graph.split.pieces:
         if spec.kind != COMPUTE:
@@ -62,11 +63,7 @@ def _instrument(graph, clock: _Clock) -> None:
     for runner in graph.runners.values():
         for captured in runner.captures.values():
             replay = captured.graph.replay
-            captured.graph.replay = clock.wrap("graph.replay()", replay) if cudagraphs_on(graph) else (lambda: None)
-
-
-def cudagraphs_on(graph) -> bool:
-    return graph._device.type == "cuda"
+            captured.graph.replay = clock.wrap("graph.replay()", replay) if graphed else (lambda: None)
 
 
 def _timed_steps(step, logits, pos: int, steps: int, device: str) -> tuple[list, list]:
@@ -85,18 +82,15 @@ def _timed_steps(step, logits, pos: int, steps: int, device: str) -> tuple[list,
 
 
 def step_breakdown(args, device: str) -> dict:
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = ToyConfig(**MODELS[args.model], max_batch=args.batch, max_seq=args.prompt + 2 * args.steps + 16)
-    model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
+    model = toy_model(args.model, device, max_batch=args.batch, max_seq=args.prompt + 2 * args.steps + 16)
+    cfg = model.cfg
     step = torch.compile(model, backend="piecewise")
     with torch.inference_mode(), sdpa_backends(device):
         reset_caches(model)
         logits = step(torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device), 0)
         pos = args.prompt
         for _ in range(args.steps):  # compile the decode graph, capture
-            ids = logits[:, -1:].argmax(-1)
-            torch._dynamo.maybe_mark_dynamic(ids, 0)
-            logits = step(ids, pos)
+            logits = step(next_ids(logits), pos)
             pos += 1
         graph = max(piecewise_backend.compiled_graphs(), key=lambda g: g.stats.calls)
         clock = _Clock()

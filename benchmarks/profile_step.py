@@ -16,9 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from piecewise_backend.cudagraphs import synchronize
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
-    sdpa_backends
-from suite import MODELS, compiled_variant
+from piecewise_backend.toy_models import ToyLlama, ToyStaticCacheLlama, reset_caches, sdpa_backends
+from suite import MODELS, compiled_variant, next_ids, toy_model
 
 
 def main() -> None:
@@ -34,11 +33,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = ToyConfig(**MODELS[args.model], max_batch=args.batch, max_seq=args.prompt + args.warmup + args.steps + 8)
     tensor_pos = args.variant == "piecewise-full"
-    model = (ToyStaticCacheLlama if tensor_pos else ToyLlama)(cfg)
-    model = init_weights_(model).to(device=device, dtype=dtype).eval()
+    model = toy_model(args.model, device, ToyStaticCacheLlama if tensor_pos else ToyLlama, max_batch=args.batch,
+                      max_seq=args.prompt + args.warmup + args.steps + 8)
+    cfg = model.cfg
     step = model if args.variant == "eager" else compiled_variant(args.variant, model)
 
     def where(p, n):
@@ -53,9 +51,7 @@ def main() -> None:
         def decode(n: int) -> None:
             nonlocal logits, pos
             for _ in range(n):
-                ids = logits[:, -1:].argmax(-1)
-                torch._dynamo.maybe_mark_dynamic(ids, 0)
-                logits = step(ids, where(pos, 1))
+                logits = step(next_ids(logits), where(pos, 1))
                 pos += 1
             synchronize(device)
 

@@ -58,6 +58,20 @@ VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition",
             "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
 
 
+def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
+    """``model_cls`` at ``MODELS[key]`` (``sizes`` override or add config fields), with the
+    deterministic weights every benchmark compares on: bf16 on a GPU, fp32 on a CPU."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return init_weights_(model_cls(ToyConfig(**{**MODELS[key], **sizes}))).to(device=device, dtype=dtype).eval()
+
+
+def next_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy next tokens, their batch dim marked dynamic (one decode graph for every batch size)."""
+    ids = logits[:, -1:].argmax(-1)
+    torch._dynamo.maybe_mark_dynamic(ids, 0)
+    return ids
+
+
 def model_name(cfg: ToyConfig) -> str:
     return f"llama-{cfg.layers}L-{cfg.hidden}"
 
@@ -137,11 +151,10 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
 
 def decode_rows(args, device: str, rows: list) -> list[dict]:
     """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured)."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     for key in args.models:
-        cfg = ToyConfig(**MODELS[key], max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
-        model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
-        twin = ToyStaticCacheLlama(cfg).to(device=device, dtype=dtype).eval()
+        model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+        cfg = model.cfg
+        twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=cfg.max_batch, max_seq=cfg.max_seq)
         twin.load_state_dict(model.state_dict())
         for batch in args.batches:
             for variant in args.variants:
@@ -174,10 +187,8 @@ def _save(args) -> None:
 
 def first_output(variant: str, model_key: str, device: str) -> None:
     """(In a fresh process.) Print seconds from torch.compile to the first output, and compiles."""
-    cfg = ToyConfig(**MODELS[model_key], max_batch=1, max_seq=300)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
-    ids = torch.randint(0, cfg.vocab, (1, 256), device=device)
+    model = toy_model(model_key, device, max_batch=1, max_seq=300)
+    ids = torch.randint(0, model.cfg.vocab, (1, 256), device=device)
     with torch.inference_mode(), sdpa_backends(device):
         synchronize(device)
         start = time.perf_counter()

@@ -6,7 +6,7 @@ import torch
 
 from piecewise_backend.config import PiecewiseConfig
 from piecewise_backend.splitting import split_graph
-from piecewise_backend.toy_models import reset_caches
+from piecewise_backend.toy_models import decode_loop, reset_caches
 
 
 def compile_with_reference(model_cls, cfg, options, device="cpu"):
@@ -49,13 +49,7 @@ def llama_decode(step, model, batch: int, prompt: int, new_tokens: int, device="
     reset_caches(model)
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.cfg.vocab, (batch, prompt), generator=g).to(device)
-    outs = [step(ids, 0).clone()]
-    pos = prompt
-    for _ in range(new_tokens):
-        ids = outs[-1][:, -1:].argmax(-1)
-        outs.append(step(ids, pos).clone())
-        pos += 1
-    return outs
+    return decode_loop(step, ids, new_tokens)
 
 
 def assert_close_steps(actual, expected, atol=1e-4, rtol=1e-4):
