@@ -359,20 +359,20 @@ def _leading_dynamic_size(fake_inputs: list, symbols: list) -> int | None:
 
 
 def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list,
-             rewrite: Rewrite | None):
+             masked: frozenset, masked_nodes: frozenset):
     """(pad position in the key, padding per piece, why not padded or None, description).
 
-    The KV writes moved into compute pieces (``position_writes``) are masked to the caller's rows,
-    so they neither forbid padding nor count as mixing rows.
+    The KV writes moved into compute pieces (``position_writes``: ``masked`` buffers, written by
+    ``masked_nodes``) are masked to the caller's rows, so they neither forbid padding nor count as
+    mixing rows.
     """
     pad_position = _leading_dynamic_size(fake_inputs, symbols)
     if pad_position is None:
         return None, {}, None, "no dynamic batch size: one shape, captured as is"
     sym = symbols[pad_position]
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
-    masked = rewrite.buffers if rewrite is not None else frozenset()
     writes = {p.name: tuple(w for w in p.writes_inputs if w not in masked) for p in split.pieces if p.kind == COMPUTE}
-    nodes = [n for n in split.compute_nodes if rewrite is None or n not in rewrite.nodes]
+    nodes = [n for n in split.compute_nodes if n not in masked_nodes]
     per_piece, reason = plan_padding(sym, nodes, pieces, writes)
     if reason:
         return pad_position, {}, reason, f"off for {sym}: {reason}; only exact capture sizes get graphs"
@@ -412,9 +412,10 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                        fake_mode.from_tensor(rewrite.scalars.tensor, static_shapes=True)]
     any_requires_grad = any(isinstance(v, torch.Tensor) and v.requires_grad for v in fake_inputs)
 
-    writable = frozenset(static_placeholders) if config.mode == "full" else frozenset()
-    if rewrite is not None:
-        writable |= rewrite.buffers
+    # buffers whose writes were moved into compute pieces, masked to the caller's rows: padding and
+    # repeated runs (warm-up) leave them as one real call would
+    masked = rewrite.buffers if rewrite is not None else frozenset()
+    writable = (frozenset(static_placeholders) if config.mode == "full" else frozenset()) | masked
     split = split_graph(gm, config.all_splitting_ops, writable)
     split_gm = split.graph_module
     _log_graph("piecewise split graph", split_gm)
@@ -432,8 +433,8 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     sources, symbols, missing = _key_sources(fake_inputs, needed - split.step_symbols)
     reason = _graphs_disabled_reason(config, fake_inputs, missing)
-    pad_position, padding, no_padding, padding_note = _padding(split, compiled, fake_outputs, fake_inputs, symbols,
-                                                               rewrite)
+    pad_position, padding, no_padding, padding_note = _padding(
+        split, compiled, fake_outputs, fake_inputs, symbols, masked, rewrite.nodes if rewrite is not None else ())
     if not config.padding and pad_position is not None:
         padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
     policy = CapturePolicy(config, pad_position, no_padding, rank_agreement(gm.graph))
@@ -444,7 +445,6 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds,
         graphs_disabled_reason=reason, padding=padding_note))
     step = StepState()
-    masked = rewrite.buffers if rewrite is not None else frozenset()  # writes that repeat harmlessly
     escaping = _escaping_outputs(split_gm)
     input_args = _input_args(split_gm)
     runners = {}

@@ -212,7 +212,6 @@ class _Captured:
     graph: torch.cuda.CUDAGraph
     checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
-    scalars: dict = dataclasses.field(default_factory=dict)  # non-tensor args captured with (index -> value)
     moved_static: set = dataclasses.field(default_factory=set)
     views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
 
@@ -448,5 +447,4 @@ class PieceRunner:
             else:
                 aliases.append(o)
         stored = tuple(aliases) if isinstance(outputs, tuple) else aliases[0]
-        scalars = {i: a for i, a in enumerate(capture_args) if not isinstance(a, torch.Tensor)}
-        return _Captured(graph, checks, stored, scalars), outputs
+        return _Captured(graph, checks, stored), outputs

@@ -47,10 +47,6 @@ class PieceSpec:
     num_ops: int
     writes_inputs: tuple[str, ...] = ()  # graph inputs (parameters/buffers) a compute piece writes
 
-    @property
-    def graphed_kind(self) -> bool:
-        return self.kind == COMPUTE
-
 
 @dataclasses.dataclass
 class SplitGraph:
