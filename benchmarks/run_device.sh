@@ -4,7 +4,7 @@
 #   bash benchmarks/run_device.sh tests [ARGS...]   # every test, CUDA ones included (ARGS go to pytest:
 #                                                   #   -m cuda runs only the GPU tests, ~1 of ~4.5 min)
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
-#   bash benchmarks/run_device.sh host              # host_breakdown.py: where a step's host time goes
+#   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
 #
 # Each part merges its keys into the repo's benchmarks/results/h200.json (stamped with the code hash)
@@ -30,7 +30,7 @@ case "$part" in
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
   host)
-    (cd benchmarks && python host_breakdown.py --json "$OUT/host.json") 2>&1 | grep -v Warning | tee "$OUT/host.log"
+    (cd benchmarks && python host_breakdown.py --json "$OUT/host.json" "$@") 2>&1 | grep -v Warning | tee "$OUT/host.log"
     record --host "$OUT/host.json" ;;
   suite)
     # the suite saves each row as it goes: a run cut short by the timeout still records what it measured

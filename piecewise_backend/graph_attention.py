@@ -5,17 +5,17 @@ every step, which is why attention is split out and run eagerly. On the H200 mac
 SDPA costs ~30 µs of host time per layer (selection, allocations, two kernels), plus a copy of its
 output into the next graph: most of a small model's step. The same attention can read its length
 from device memory: ``piecewise::prefix_attention(q, k_cache, v_cache, length)`` runs the
-memory-efficient kernel over the whole buffer with ``seqlen_k = length``, which stops at the live
-prefix (so its cost follows the live length, not the buffer's), and its launch is the same at
-every step. It can be captured, so the decode step becomes one graph.
+memory-efficient kernel in its variable-length form over the whole buffer with ``seqlen_k =
+length``, which stops at the live prefix (so its cost follows the live length, not the buffer's),
+and its launch is the same at every step. It can be captured, so the decode step becomes one graph.
 
 The GPU kernel is not the flash-decoding one SDPA picks, so per layer the GPU may spend a little
 more; when the step is host-bound (small batches) that is far outweighed. Hence an option, off by
 default until measured.
 
 Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag, and
-whose keys and values are ``buffer[:B, :, :stop]`` of parameters/buffers, ``stop`` being a per-step
-int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
+whose keys and values are ``buffer[:B, :, :stop]`` of contiguous parameters/buffers with as many
+heads as the query, ``stop`` being a per-step int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
 """
 
 from __future__ import annotations
@@ -38,13 +38,29 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch = q.shape[0]
     keys, values = k_cache[:batch], v_cache[:batch]
     if q.is_cuda:
-        seqlen = length.to(torch.int32).reshape(1).expand(batch).contiguous()
-        out = torch.ops.aten._efficient_attention_forward(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), None, None, None, q.shape[2],
-            keys.shape[2], 0.0, 0, False, seqlen_k=seqlen)[0]
-        return out.transpose(1, 2).contiguous()
+        return _efficient_prefix_attention(q, keys, values, length)
     mask = (torch.arange(keys.shape[2], device=q.device) < length).view(1, -1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).contiguous()
+
+
+def _efficient_prefix_attention(q, keys, values, length):
+    """The memory-efficient kernel in its variable-length form, one "sequence" per (row, head).
+
+    The kernel honours ``seqlen_k`` (a device tensor) only together with ``cu_seqlens_q/k``: without
+    them it attends over the whole buffer (seen on the H200, torch 2.11: wrong logits). The varlen
+    form wants every sequence's keys at one stride; a contiguous ``[B, H, L, D]`` cache is exactly
+    ``B * H`` sequences of ``L`` keys each with one head, so the cache is read in place (no copy).
+    """
+    batch, heads, _, dim = q.shape
+    size = keys.shape[2]
+    sequences = batch * heads
+    starts = torch.arange(sequences + 1, device=q.device, dtype=torch.int32)
+    seqlen = length.to(torch.int32).reshape(1).expand(sequences).contiguous()
+    out = torch.ops.aten._efficient_attention_forward(
+        q.reshape(1, sequences, 1, dim), keys.reshape(1, sequences * size, 1, dim),
+        values.reshape(1, sequences * size, 1, dim), None, starts, starts * size, 1, size, 0.0, 0, False,
+        seqlen_k=seqlen)[0]
+    return out.reshape(batch, heads, 1, dim)
 
 
 @prefix_attention.register_fake
@@ -119,8 +135,11 @@ def find_attention_sites(graph: torch.fx.Graph, static_inputs: set, steps: froze
             continue
         length = _length(views[0][1], placeholders)
         buffers = (views[0][0], views[1][0])
-        shapes = [facts.example_value(b).shape for b in buffers]
-        if length is None or shapes[0] != shapes[1]:
+        values = [facts.example_value(b) for b in buffers]
+        shapes = [v.shape for v in values]
+        if length is None or shapes[0] != shapes[1] or shapes[0][1] != q.shape[1]:  # no GQA broadcast
+            continue
+        if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
             continue
         sites.append(AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2])))
     return sites

@@ -1,7 +1,8 @@
 """graph_attention: decode SDPA over a growing cache prefix becomes graph-safe, the step one graph.
 
-On CPU with emulated graphs (``prefix_attention``'s CPU path is masked SDPA; the CUDA path, the
-memory-efficient kernel with ``seqlen_k``, runs in test_cuda_capture.py).
+On CPU with emulated graphs (``prefix_attention``'s CPU path is masked SDPA); the CUDA path, the
+memory-efficient kernel in variable-length form, is checked here against SDPA (marked ``cuda``) and
+on a whole model in test_cuda_capture.py.
 """
 
 import pytest
@@ -26,13 +27,16 @@ def emulate_graphs_on_cpu():
     cudagraphs.EMULATE_ON_CPU = False
 
 
-def test_prefix_attention_is_attention_over_the_prefix():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("length", [1, 7, 20])
+def test_prefix_attention_is_attention_over_the_prefix(device, length):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 1, 16, generator=g)
-    k_cache, v_cache = torch.randn(2, 5, 4, 20, 16, generator=g).unbind(0)
-    got = prefix_attention(q, k_cache, v_cache, torch.tensor(7))
-    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :7], v_cache[:3, :, :7])
-    torch.testing.assert_close(got, want)
+    q = torch.randn(3, 4, 1, 64, generator=g).to(device)
+    k_cache, v_cache = torch.randn(2, 5, 4, 20, 64, generator=g).to(device).unbind(0)
+    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device))
+    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.fixture(scope="module")
