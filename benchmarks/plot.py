@@ -17,6 +17,12 @@ VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partit
                  "limit", "limit-full")
 
 
+def _color_index(variant: str, n: int) -> int:
+    """The dark shades of tab20 first, then the light ones: neighbours in VARIANT_ORDER differ."""
+    i = 2 * VARIANT_ORDER.index(variant)
+    return i % n + i // n
+
+
 def plot(rows: list[dict], png: pathlib.Path) -> None:
     import matplotlib
 
@@ -25,14 +31,18 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models) + 2, 4.5), squeeze=False)
+    colors = plt.get_cmap("tab20").colors  # one colour per variant in every panel
+    legend: dict = {}
     for ax, model in zip(axes[0], models):
         for variant in VARIANT_ORDER:
             points = sorted((r["batch"], r["step_ms"]) for r in rows
                             if r["model"] == model and r["variant"] == variant and r.get("step_ms"))
             if points:
-                ax.plot(*zip(*points), marker="o", label=variant,
-                        linewidth=2.5 if variant.startswith("piecewise") else 1.2,
-                        linestyle="--" if variant.startswith("limit") else "-")
+                (line,) = ax.plot(*zip(*points), marker="o", label=variant,
+                                  color=colors[_color_index(variant, len(colors))],
+                                  linewidth=2.5 if variant.startswith("piecewise") else 1.2,
+                                  linestyle="--" if variant.startswith("limit") else "-")
+                legend.setdefault(variant, line)
         ax.set_xscale("log", base=2)
         batches = sorted({r["batch"] for r in rows if r["model"] == model})
         ax.set_xticks(batches, [str(b) for b in batches])
@@ -41,7 +51,9 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
         ax.set_ylabel("decode step, ms (median)")
         ax.set_title(model)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
+    ordered = [v for v in VARIANT_ORDER if v in legend]  # every variant of every panel, in one legend
+    axes[0][-1].legend([legend[v] for v in ordered], ordered, fontsize=8, loc="center left",
+                       bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
