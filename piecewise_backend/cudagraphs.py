@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 import warnings
 from typing import Any, Callable
@@ -65,6 +66,9 @@ class _EmulatedGraph:
         for old, new in zip(flat, fresh if isinstance(fresh, tuple) else (fresh,)):
             if isinstance(old, torch.Tensor):
                 old.copy_(new)
+
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 def _as_tuple(outputs):
@@ -211,7 +215,10 @@ class StepState:
 class _Captured:
     graph: torch.cuda.CUDAGraph
     checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
+    #               that is not a parameter/buffer
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
+    statics: tuple = ()  # the parameters/buffers captured in place, in the runner's ``static_indices`` order
+    static_ptrs: tuple = ()  # and their addresses at capture
     moved_static: set = dataclasses.field(default_factory=set)
     views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
 
@@ -258,6 +265,8 @@ class PieceRunner:
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
+        self.static_indices: tuple = ()
+        self._static_ptrs: Callable[[tuple], tuple] = lambda args: ()  # set by _index_statics
 
     def __call__(self, *args):
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
@@ -273,6 +282,10 @@ class PieceRunner:
             return self._capture(step.key, args)
         checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
             else (captured.checks, captured.outputs)
+        if self._static_ptrs(args) != captured.static_ptrs:  # all weights in one C-level pass
+            moved = self._moved_static(captured, args)
+            if moved is not None:
+                return moved
         for i, buf, ptr, stage in checks:
             arg = args[i]
             source = arg.data_ptr()
@@ -289,6 +302,35 @@ class PieceRunner:
         return self._user_outputs(outputs) if self._clones else outputs
 
     # -- replay helpers ---------------------------------------------------------------------------
+
+    def _index_statics(self, args: tuple) -> None:
+        """Which args are tensor parameters/buffers: their addresses are compared all at once.
+
+        A decode step checks every input of every piece (a 16-layer Llama: ~185, most of them
+        weights); one ``map(data_ptr)`` over the weights and one tuple compare cost a fraction of a
+        Python loop over them.
+        """
+        self.static_indices = tuple(i for i, a in enumerate(args)
+                                    if i in self.static_args and isinstance(a, torch.Tensor))
+        if not self.static_indices:
+            self._static_ptrs = lambda args: ()
+        elif len(self.static_indices) == 1:
+            (only,) = self.static_indices
+            self._static_ptrs = lambda args: (args[only].data_ptr(),)
+        else:
+            getter = operator.itemgetter(*self.static_indices)
+            self._static_ptrs = lambda args: tuple(map(_data_ptr, getter(args)))
+
+    def _moved_static(self, captured: _Captured, args: tuple):
+        """A parameter/buffer has a new address: copy it in (warned once), or, when the graph writes
+        it, give this key up. Returns the un-graphed result in that last case, else None."""
+        for i, ptr in zip(self.static_indices, captured.static_ptrs):
+            arg = args[i]
+            if arg.data_ptr() != ptr:
+                if i in self.written_args:
+                    return self._drop_moved_written(self.step.key, i, args)
+                self._copy_in(captured, i, captured.statics[self.static_indices.index(i)], arg)
+        return None
 
     def _slice(self, captured: _Captured, size: int):
         """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
@@ -339,8 +381,11 @@ class PieceRunner:
     def _capture(self, key: tuple, args: tuple):
         start = time.perf_counter()
         try:
+            self._index_statics(args)
             capture_args, checks = self._capture_inputs(args)
             captured, outputs = self._record(capture_args, checks)
+            captured.statics = tuple(args[i] for i in self.static_indices)
+            captured.static_ptrs = self._static_ptrs(args)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
             reason = f"capture at shape key {key} failed ({type(exc).__name__}: {exc}); running un-graphed"
             self.failed_keys.add(key)
@@ -362,7 +407,8 @@ class PieceRunner:
         return self._user_outputs(outputs)
 
     def _capture_inputs(self, args: tuple) -> tuple[list, list]:
-        """The args to capture with, and (index, buffer, address) of every tensor input to check."""
+        """The args to capture with, and (index, buffer, address, stage) of every tensor input to
+        check one by one (all but the parameters/buffers, see ``_index_statics``)."""
         step = self.step
         pad = self.padding if step.padded else None
         capture_args, checks = list(args), []
@@ -378,8 +424,8 @@ class PieceRunner:
             stage = self.stage_keys.get(i)
             staged = step.staged.get(stage)
             if i in self.static_args:
-                buf = arg  # parameters keep their address; held strongly like the model does
-            elif arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
+                continue  # parameters keep their address: captured in place, checked all at once
+            if arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
                 # an earlier piece's captured output (the first rows of it, when padded)
                 buf = _alias(arg, size)
                 capture_args[i] = buf if dim is not None else arg
@@ -423,7 +469,7 @@ class PieceRunner:
 
     def _record(self, capture_args: list, checks: list):
         step = self.step
-        device = next((buf.device for _, buf, _, _ in checks), torch.device("cuda"))
+        device = next((a.device for a in capture_args if isinstance(a, torch.Tensor)), torch.device("cuda"))
         restore = self._warmup_undo(capture_args)
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
