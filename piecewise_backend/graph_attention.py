@@ -15,7 +15,8 @@ default until measured.
 
 Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag, and
 whose keys and values are ``buffer[:B, :, :stop]`` of contiguous parameters/buffers with as many
-heads as the query, ``stop`` being a per-step int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
+heads as the query and fewer than 2**31 key rows (the kernel's offsets are int32), ``stop`` being a
+per-step int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
 """
 
 from __future__ import annotations
@@ -140,6 +141,8 @@ def find_attention_sites(graph: torch.fx.Graph, static_inputs: set, steps: froze
         if length is None or shapes[0] != shapes[1] or shapes[0][1] != q.shape[1]:  # no GQA broadcast
             continue
         if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
+            continue
+        if shapes[0][0] * shapes[0][1] * shapes[0][2] >= 2**31:  # key offsets are int32 in the kernel
             continue
         sites.append(AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2])))
     return sites
