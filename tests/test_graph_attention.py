@@ -1,9 +1,15 @@
 """graph_attention: decode SDPA over a growing cache prefix becomes graph-safe, the step one graph.
 
-On CPU with emulated graphs (``prefix_attention``'s CPU path is masked SDPA); the CUDA path, the
-memory-efficient kernel in variable-length form, is checked here against SDPA (marked ``cuda``) and
-on a whole model in test_cuda_capture.py.
+On CPU with emulated graphs (``prefix_attention``'s CPU path is masked SDPA); the CUDA kernels (the
+split-key Triton one, and the memory-efficient one in variable-length form used without Triton)
+are checked here against SDPA (marked ``cuda``; the Triton kernel also in Triton's interpreter
+when Triton is installed) and on a whole model in test_cuda_capture.py.
 """
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -27,16 +33,69 @@ def emulate_graphs_on_cpu():
     cudagraphs.EMULATE_ON_CPU = False
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize("length", [1, 7, 20])
-def test_prefix_attention_is_attention_over_the_prefix(device, length):
+def _attention_case(device, buffer_len, batch=3, heads=4, dim=64, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(3, 4, 1, 64, generator=g).to(device)
-    k_cache, v_cache = torch.randn(2, 5, 4, 20, 64, generator=g).to(device).unbind(0)
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
+    q = torch.randn(batch, heads, 1, dim, generator=g).to(device, dtype)
+    k_cache, v_cache = torch.randn(2, batch + 2, heads, buffer_len, dim, generator=g).to(device, dtype).unbind(0)
+    return q, k_cache.contiguous(), v_cache.contiguous()
+
+
+PREFIXES = [(20, 1), (20, 7), (20, 20), (300, 1), (300, 65), (300, 300)]  # (buffer length, live length)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("buffer_len,length", PREFIXES)
+def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, length):
+    q, k_cache, v_cache = _attention_case(device, buffer_len)
     got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device))
     want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["split_key_triton", "efficient_varlen"])
+@pytest.mark.parametrize("buffer_len,length", PREFIXES)
+def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, length):
+    from piecewise_backend import decode_kernel
+    from piecewise_backend.graph_attention import _efficient_prefix_attention
+
+    if kernel == "split_key_triton" and not decode_kernel.available():
+        pytest.skip("Triton is not installed")
+    run = decode_kernel.prefix_attention if kernel == "split_key_triton" else _efficient_prefix_attention
+    for batch, dtype, tol in ((1, torch.float32, 1e-4), (3, torch.bfloat16, 2e-2)):
+        q, k_cache, v_cache = _attention_case("cuda", buffer_len, batch=batch, heads=16, dtype=dtype)
+        got = run(q, k_cache[:batch], v_cache[:batch], torch.tensor([length], device="cuda"))
+        want = F.scaled_dot_product_attention(q, k_cache[:batch, :, :length], v_cache[:batch, :, :length])
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+INTERPRETED_CHECK = """
+import torch, torch.nn.functional as F
+from piecewise_backend import decode_kernel
+g = torch.Generator().manual_seed(0)
+cases = [(1, 4, 300, 64, 1, 132), (1, 4, 300, 64, 65, 132), (2, 3, 130, 32, 130, 4), (3, 2, 40, 48, 17, 132),
+         (1, 16, 304, 64, 280, 132)]
+for batch, heads, buffer_len, dim, length, sms in cases:
+    splits, chunk = decode_kernel.plan_splits(batch * heads, buffer_len, sms)
+    assert splits * chunk >= buffer_len and chunk % decode_kernel.BLOCK_N == 0, (splits, chunk)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+        k, v = torch.randn(2, batch + 1, heads, buffer_len, dim, generator=g).to(dtype)[:, :batch].unbind(0)
+        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]), processors=sms)
+        want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length])
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds have it)")
+def test_split_key_kernel_in_tritons_interpreter():
+    """The Triton kernel on CPU tensors, run by Triton's interpreter (set before the kernel module
+    is imported, hence a fresh process): several splits, a chunk past the length, odd head dims."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED_CHECK], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
 @pytest.fixture(scope="module")
