@@ -45,6 +45,7 @@ import torch.fx
 from . import _torch_internals
 from . import graph_facts as facts
 from .graph_attention import find_attention_sites, rewrite_attention
+from .prefix_views import find_prefix_views, rewrite_prefix_view
 
 PLACEHOLDER = "piecewise_step_scalars"
 _ENABLE = 0  # slot 0: 1 = write, 0 = write every element back unchanged (up-front capture)
@@ -303,6 +304,7 @@ class Rewrite:
     buffers: frozenset  # names of the buffers whose writes now run in compute pieces
     nodes: frozenset  # the index_put_ nodes (masked: they never mix padded rows into real ones)
     attention: int = 0  # SDPA calls replaced by graph-safe ``prefix_attention`` (graph_attention.py)
+    prefix_views: int = 0  # eager cache slices taken with ``as_strided`` (prefix_views.py)
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -350,7 +352,7 @@ def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str], writes: bo
     def sites_of(graph):
         return (find_sites(graph, static_inputs, steps) if writes else [],
                 find_attention_sites(graph, static_inputs, steps) if attention else [],
-                find_reads(graph, static_inputs, steps) if attention else [])
+                find_reads(graph, static_inputs, steps) if writes or attention else [])
 
     if not any(sites_of(gm.graph)[:2]):
         return None
@@ -387,7 +389,11 @@ def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str], writes: bo
     for site in attention_sites:
         add = _Builder(graph, site.node, fake_mode)
         rewrite_attention(site, add("call_function", operator.getitem, node, slots.index[site.length]), add)
+    views = find_prefix_views(graph, static_inputs, steps)  # the eager attention's cache slices, made cheaper
+    for view in views:
+        rewrite_prefix_view(view, steps, _Builder(graph, view, fake_mode))
     _drop_orphaned_scalars(graph)
     graph.lint()
     gm.recompile()
-    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), frozenset(puts), len(attention_sites))
+    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), frozenset(puts), len(attention_sites),
+                   len(views))

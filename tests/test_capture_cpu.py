@@ -80,17 +80,31 @@ def test_above_the_largest_size_runs_ungraphed_and_says_so(padded_run):
     assert any("size 10 > largest capture size 8" in g.stats.summary() for g in padded_run[1])
 
 
-def test_padded_replays_copy_only_what_changed(padded_run):
-    graphs = [g for g in padded_run[1] if g.stats.calls > 1]  # Dynamo's pos == 0 graph runs once
+def _assert_copies_per_step(graphs, per_step: int):
+    graphs = [g for g in graphs if g.stats.calls > 1]  # Dynamo's pos == 0 graph runs once
     assert graphs
     for graph in graphs:
         assert graph.stats.replays > 0
-        # per step: token ids into the first piece, each attention output into the next piece, the
-        # RoPE rows (cos, sin at this step's position) once, into the buffer every layer's piece
-        # reads (staging.py); the outputs of one piece feed the next in place (no copy)
         steps = graph.stats.replays / graph.stats.num_compute_pieces
         copies = sum(p.input_copies for p in graph.stats.pieces.values())
-        assert copies == steps * (1 + CFG.layers + 2), graph.stats.summary()
+        assert copies == steps * per_step, graph.stats.summary()
+
+
+def test_padded_replays_copy_only_what_changed(padded_run):
+    # per step: token ids into the first piece, each attention output into the next piece; the
+    # RoPE rows at this step's position are gathered inside the graphs (position_writes.find_reads);
+    # the outputs of one piece feed the next in place (no copy)
+    _assert_copies_per_step(padded_run[1], 1 + CFG.layers)
+
+
+def test_inputs_several_pieces_read_are_copied_once_per_step():
+    # with the KV writes left eager there are no device step scalars, so the RoPE rows (cos, sin at
+    # this step's position) are sliced eagerly, and copied once per step into the buffer every
+    # layer's piece reads (staging.py)
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8], "capture_kv_writes": False})
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5, 3)))
+    _assert_copies_per_step(_padded_graphs(start), 1 + CFG.layers + 2)
 
 
 def test_budget_on_sizes_stops_capture_and_answers_right():

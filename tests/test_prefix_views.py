@@ -1,0 +1,105 @@
+"""Eager cache prefix views taken with one ``as_strided`` (prefix_views.py), on CPU, emulated graphs.
+
+The attention pieces' ``cache[:B, :, :pos + 1]`` becomes ``as_strided`` with the same view; a stop
+past the cache is clamped as indexing clamps it; views that something other than attention reads
+stay indexing.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from piecewise_backend import cudagraphs
+from piecewise_backend.splitting import COMPUTE
+from piecewise_backend.toy_models import ToyConfig, ToyLlama
+
+from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
+
+CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
+LENGTH = 6  # PeekPastTheEnd's cache positions
+
+
+@pytest.fixture(scope="module", autouse=True)
+def emulate_graphs_on_cpu():
+    cudagraphs.EMULATE_ON_CPU = True
+    yield
+    cudagraphs.EMULATE_ON_CPU = False
+
+
+def _eager_code(start) -> str:
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    gm = graph.split.graph_module
+    return "\n".join(gm._modules[p.name].code for p in graph.split.pieces if p.kind != COMPUTE)
+
+
+def test_attention_reads_its_cache_prefix_through_as_strided():
+    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {"capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5, 8)))
+    code = _eager_code(start)
+    assert code.count("torch.as_strided(") == 2 * CFG.layers, code
+    assert "slice(" not in code, code  # no indexing left in the attention pieces
+
+
+class PeekPastTheEnd(nn.Module):
+    """Writes position ``pos`` and attends over ``[:pos + 2]``: at the cache's last position the
+    view's stop is one past the end, which indexing clamps."""
+
+    def __init__(self, rows=4, heads=2, length=LENGTH, dim=8):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("cache", torch.zeros(rows, heads, length, dim))
+
+    def forward(self, x, pos: int):
+        k = self.proj(x)
+        self.cache[:x.shape[0], :, pos:pos + 1] = k
+        keys = self.cache[:x.shape[0], :, :pos + 2]
+        return self.proj(F.scaled_dot_product_attention(k, keys, keys))
+
+
+class ViewAlsoSummed(PeekPastTheEnd):
+    def forward(self, x, pos: int):
+        k = self.proj(x)
+        self.cache[:x.shape[0], :, pos:pos + 1] = k
+        keys = self.cache[:x.shape[0], :, :pos + 1]
+        return self.proj(F.scaled_dot_product_attention(k, keys, keys)) + keys.sum()
+
+
+def _compile_and_run(model_cls, positions):
+    torch._dynamo.reset()
+    start = last_serial()
+    model, reference = model_cls(), model_cls()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for pos in positions:
+            x = torch.randn(2, 2, 1, 8, generator=g)
+            torch.testing.assert_close(compiled(x, pos), reference(x, pos), msg=f"pos {pos}")
+    return model, start
+
+
+def test_a_stop_past_the_end_is_clamped_as_indexing_clamps_it():
+    # Dynamo guards pos + 2 <= 6 in the graph it traced, so no call reaches the clamp: call the
+    # rewritten attention piece itself with the last position, as a graph without that guard would
+    model, start = _compile_and_run(PeekPastTheEnd, range(LENGTH))
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    gm = graph.split.graph_module
+    piece = next(gm._modules[p.name] for p in graph.split.pieces
+                 if p.kind != COMPUTE and "torch.as_strided(" in gm._modules[p.name].code)
+    inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
+    assert len(inputs) == 3, piece.code  # the position, the cache, the query
+    k = torch.randn(2, 2, 1, 8)
+    pos = LENGTH - 1
+    args = {"pos": pos, "cache": model.cache, "k": k}
+    with torch.no_grad():
+        got = piece(*(next(v for key, v in args.items() if key in name) for name in inputs))
+        want = F.scaled_dot_product_attention(k, model.cache[:2, :, :pos + 2], model.cache[:2, :, :pos + 2])
+    torch.testing.assert_close(got, want)
+
+
+def test_views_read_by_something_else_keep_indexing():
+    _, start = _compile_and_run(ViewAlsoSummed, range(5))
+    assert "torch.as_strided(" not in _eager_code(start)
+    assert "slice(" in _eager_code(start)
