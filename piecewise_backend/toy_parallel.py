@@ -116,10 +116,17 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
             "agreement": main.policy.agreement is not None}
 
 
+# NVLink multicast stays off: on shared multi-GPU hosts a program using it can take the host's GPUs
+# out of service (the lent H200 machines' rule). Set unless the caller chose otherwise.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def main() -> None:
     """``torchrun --nproc-per-node N -m piecewise_backend.toy_parallel``: one JSON line per rank."""
     import torch.distributed as dist
 
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
