@@ -53,3 +53,32 @@ def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
     new = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.5}]
     merged = record.merge_rows(old, new, ("model", "variant", "batch"), "h1")
     assert [(r["model"], r["step_ms"], r["code_hash"]) for r in merged] == [("b", 2.0, "h1"), ("a", 1.5, "h1")]
+
+
+def _run_script(args: list, cwd=BENCH) -> str:
+    import subprocess
+
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_startup_row_splits_the_time_to_first_output():
+    """What a device run's ``--startup`` does per variant, on the tiny model (a fresh process)."""
+    import json
+
+    row = json.loads(_run_script(["suite.py", "--first-output", "piecewise", "--models", "tiny", "--device",
+                                  "cpu"]).strip().splitlines()[-1])
+    parts = row["before_compile_s"] + row["compile_s"] + row["first_run_s"]
+    assert row["compile_s"] > 0 and abs(parts - row["seconds"]) < 0.01, row
+    assert row["inductor_graphs"] == 3 and row["backend_s"]["inductor"] > 0, row
+
+
+def test_host_breakdown_runs_with_graph_attention(tmp_path):
+    import json
+
+    out = tmp_path / "host.json"
+    _run_script(["host_breakdown.py", "--model", "tiny", "--steps", "5", "--graph-attention", "--json", str(out)])
+    step = json.loads(out.read_text())["step"]
+    assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
+    assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0
