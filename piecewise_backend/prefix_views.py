@@ -7,8 +7,8 @@ of slices costs ~5 µs of host time on the H200 machine (the tuple parsed, one s
 view (same storage, offset and strides: a slice from 0 keeps them). On CPU it is 1.1 µs vs 2.2 µs.
 
 Rewritten: ``buffer[s0, s1, ...]`` of a contiguous parameter/buffer placeholder where every index
-is a slice from 0 (or None) with unit step, at least one stop is a graph value, and every user is
-scaled-dot-product attention (a read). Indexing clamps a stop past the buffer's size; the view
+is a slice from 0 (or None) with unit step, at least one stop is a per-step value (so the view runs
+eagerly), and every user is scaled-dot-product attention (a read). Indexing clamps a stop past the buffer's size; the view
 keeps that (Dynamo already guards ``pos + 1 <= size`` in the graphs it traces, so this is a second
 line): a constant stop is clamped here, a per-step one (``pos + 1``) by ``min`` at run time
 (builtin ``min``, 0.1 µs, where ``torch.sym_min`` costs 0.8: safe because a node that uses a
@@ -36,9 +36,12 @@ def _from_zero(s) -> bool:
 
 
 def _stops_supported(index: tuple, steps: frozenset) -> bool:
-    """Graph-value stops: per-step ones anywhere (clamped at run time), others only on dim 0."""
+    """At least one per-step stop (such a view always runs eagerly: views a compute piece takes
+    cost nothing per step, inside its graph, and are left to Inductor); other graph-value stops
+    only on dim 0."""
     nodes = [(d, s.stop) for d, s in enumerate(index) if isinstance(s.stop, torch.fx.Node)]
-    return bool(nodes) and all(_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes)
+    return any(_per_step(stop, steps) for _, stop in nodes) and \
+        all(_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes)
 
 
 def _per_step(node: torch.fx.Node, steps: frozenset) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 
 from piecewise_backend import cudagraphs
 from piecewise_backend.splitting import COMPUTE
-from piecewise_backend.toy_models import ToyConfig, ToyLlama
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
 
@@ -103,3 +103,15 @@ def test_views_read_by_something_else_keep_indexing():
     _, start = _compile_and_run(ViewAlsoSummed, range(5))
     assert "torch.as_strided(" not in _eager_code(start)
     assert "slice(" in _eager_code(start)
+
+
+def test_views_inside_compute_pieces_are_left_to_inductor():
+    # full mode on the graph-safe twin: its SDPA reads k_cache[:B] (no per-step stop) in the one
+    # compute piece, where a view costs nothing per step
+    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, CFG,
+                                                        {"mode": "full", "capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 2), static_cache=True))
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.num_pieces == 1
+    assert not any("as_strided" in m.code for m in graph.split.graph_module._modules.values())
