@@ -457,7 +457,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
                 config.warmup_runs, config.clone_outputs, padding.get(spec.name),
                 _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name],
-                _positions(input_args[spec.name], set(spec.writes_inputs) - masked))
+                _positions(input_args[spec.name], set(spec.writes_inputs) - masked), policy.agreement)
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:

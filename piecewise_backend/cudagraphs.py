@@ -244,12 +244,16 @@ class PieceRunner:
             ``buf.mul_(...)``, an accumulator): saved before the warm-up runs and put back after,
             so that a capturing call changes them once, like any other call. (The KV writes of
             ``position_writes`` write the same values however often they run: not saved.)
+        agreement: for a graph with collectives, the ranks that must capture together
+            (``distributed.py``): a capture that failed on any of them is given up on all, so that
+            every rank runs the piece the same way (padded replay or un-graphed) and the
+            collectives inside it still pair up.
     """
 
     def __init__(self, name: str, fn: Callable, static_args: frozenset, escaping_outputs: frozenset,
                  step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
                  padding: PiecePadding | None = None, written_args: frozenset = frozenset(),
-                 stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset()):
+                 stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset(), agreement=None):
         self.name = name
         self.fn = fn
         self.static_args = static_args
@@ -262,6 +266,7 @@ class PieceRunner:
         self.padding = padding
         self.stage_keys = stage_keys or {}  # arg index -> stage key (see staging.py)
         self.restore_after_warmup = restore_after_warmup
+        self.agreement = agreement
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
@@ -380,6 +385,7 @@ class PieceRunner:
 
     def _capture(self, key: tuple, args: tuple):
         start = time.perf_counter()
+        failure = None
         try:
             self._index_statics(args)
             capture_args, checks = self._capture_inputs(args)
@@ -387,15 +393,22 @@ class PieceRunner:
             captured.statics = tuple(args[i] for i in self.static_indices)
             captured.static_ptrs = self._static_ptrs(args)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
-            reason = f"capture at shape key {key} failed ({type(exc).__name__}: {exc}); running un-graphed"
-            self.failed_keys.add(key)
-            self.stats.failures.append(reason)
-            warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
+            failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})"
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             if device is not None and device.type == "cuda":
                 recover_after_failed_capture(device)
+        if self.agreement is not None and not self.agreement.all_allow(failure is None) and failure is None:
+            failure = (f"capture at shape key {key} failed on another rank of this graph's process groups "
+                       f"(all give it up, so their collectives keep pairing up)")
+        if failure is not None:
+            reason = f"{failure}; running un-graphed"
+            self.failed_keys.add(key)
+            self.stats.failures.append(reason)
+            warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
             self.stats.ungraphed_runs += 1
             return self.fn(*args)
+        if isinstance(captured.graph, torch.cuda.CUDAGraph):
+            captured.graph.replay()  # capture does not run kernels; this call's outputs come from a replay
         self.captures[key] = captured
         elapsed = time.perf_counter() - start
         self.stats.captures += 1
@@ -475,7 +488,6 @@ class PieceRunner:
             graph = torch.cuda.CUDAGraph()
             outputs = _as_tuple(capture_on_side_stream(graph, shared_graph_pool(device), lambda: self.fn(*capture_args),
                                                        self.warmup_runs, _device_index(device), restore))
-            graph.replay()  # capture does not run kernels; this call's outputs come from a replay
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)

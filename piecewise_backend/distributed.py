@@ -7,7 +7,9 @@ not: each rank measures its own graph pool. And a rank that captures runs each p
 than one that does not (warm-up, then the replay that produces the call's outputs), so its
 collectives would no longer pair up with the other ranks': NCCL hangs. So whenever the budget is
 asked, the ranks of every group the graph's collectives use agree, by an all-reduce of "allowed",
-and capture only if all allow.
+and capture only if all allow. Likewise after each piece's capture attempt: a capture that
+failed on one rank is given up on all (``PieceRunner``), before any replay, so every rank runs that
+piece the same way.
 
 Which groups: read from the graph, the ``group_name`` argument of each ``_c10d_functional`` op (what
 ``torch.distributed._functional_collectives`` traces to). A graph without collectives never talks

@@ -9,6 +9,7 @@ check runs on GPUs with ``torchrun --nproc-per-node 2 -m piecewise_backend.toy_p
 
 import json
 import socket
+import time
 
 import pytest
 import torch
@@ -24,23 +25,55 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool) -> None:
+def _fail_capture_at(key: tuple, nth: int) -> None:
+    """Make this process's ``nth`` piece capture at ``key`` fail once the graph is built (where a
+    CUDA capture fails: after the warm-up, at capture), as a capture error on one rank only would."""
+    from piecewise_backend.cudagraphs import PieceRunner
+
+    record, seen = PieceRunner._record, []
+
+    def failing_record(self, capture_args, checks):
+        result = record(self, capture_args, checks)
+        if self.step.key == key:
+            seen.append(self.name)
+            if len(seen) == nth:
+                raise RuntimeError("injected capture failure")
+        return result
+
+    PieceRunner._record = failing_record
+
+
+def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         from piecewise_backend import cudagraphs
         from piecewise_backend.toy_parallel import decode_check
 
         cudagraphs.EMULATE_ON_CPU = emulate
+        if fail_at is not None and fail_at[0] == rank:
+            _fail_capture_at(*fail_at[1:])
         result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank])
+        import piecewise_backend
+
+        result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
+                              for f in p.failures]
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
-def _run_two_ranks(out_dir, options: list, emulate: bool) -> list[dict]:
+def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600) -> list[dict]:
+    """Both ranks' results; fails (instead of hanging) if the ranks do not finish in ``timeout_s``,
+    which is what unpaired collectives do."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate), nprocs=WORLD, join=True)
+    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at), nprocs=WORLD, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the two ranks did not finish in {timeout_s} s (collectives out of step?)")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -75,3 +108,16 @@ def test_a_graph_without_collectives_decides_alone():
 
     graph = torch.fx.symbolic_trace(torch.nn.Linear(4, 4)).graph
     assert collective_groups(graph) == [] and rank_agreement(graph) is None
+
+
+def test_a_capture_that_fails_on_one_rank_is_given_up_on_both(tmp_path):
+    # On rank 1, the capture at size 4 of the second compute piece (layer 0's o_proj and MLP, with
+    # both all-reduces) fails. Alone, rank 1 would run that piece un-graphed on its 3 real rows
+    # while rank 0 replays the padded graph: their all-reduces would differ in size (gloo aborts,
+    # NCCL hangs). Agreed, both give that piece's size-4 graph up.
+    options = [{"capture_sizes": [2, 4, 8]}] * WORLD
+    first, second = _run_two_ranks(tmp_path, options, emulate=True, fail_at=(1, (4,), 2), timeout_s=300)
+    for result in (first, second):
+        assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
+    assert any("injected capture failure" in f for f in second["failures"]), second["failures"]
+    assert any("failed on another rank" in f for f in first["failures"]), first["failures"]
