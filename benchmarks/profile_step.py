@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", default="piecewise",
                         choices=["eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                                 "piecewise-full"])
+                                 "piecewise-graph-attention", "piecewise-full", "piecewise-full-static"])
     parser.add_argument("--model", default="16L", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tensor_pos = args.variant == "piecewise-full"
+    tensor_pos = args.variant == "piecewise-full-static"
     model = toy_model(args.model, device, ToyStaticCacheLlama if tensor_pos else ToyLlama, max_batch=args.batch,
                       max_seq=args.prompt + args.warmup + args.steps + 8)
     cfg = model.cfg

@@ -16,12 +16,15 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
   tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
-* ``piecewise-full``: this backend, ``mode="full"``, on the graph-safe twin of the model
-  (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache).
+* ``piecewise-full``: this backend, ``mode="full"`` with ``graph_attention=True``, on the model
+  itself: the decode step is one graph, so this is the same model and work as ``limit``.
+* ``piecewise-full-static``: ``mode="full"`` on the graph-safe twin of the model
+  (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache);
+  named ``piecewise-full`` in results measured before the rename.
 * ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
   ``torch.cuda.graph`` and replayed: no host work at all; the floor for any backend.
-* ``limit-full``: the same for the graph-safe twin, the floor for ``piecewise-full`` (its masked
-  attention over the whole static cache is a different, slower kernel than ``limit``'s).
+* ``limit-full``: the same for the graph-safe twin, the floor for ``piecewise-full-static`` (its
+  masked attention over the whole static cache is a different, slower kernel than ``limit``'s).
 
 Decode: prefill ``--prompt`` tokens, then ``--steps`` steps with the KV length growing each step;
 CUDA events; median over the second half. A variant that fails is a row with its error, never a
@@ -55,7 +58,8 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "limit", "limit-full")
+            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-static", "limit",
+            "limit-full")
 
 
 def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
@@ -112,6 +116,8 @@ def compiled_variant(variant: str, model):
     if variant == "piecewise-kv-eager":
         return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False})
     if variant == "piecewise-full":
+        return torch.compile(model, backend="piecewise", options={"mode": "full", "graph_attention": True})
+    if variant == "piecewise-full-static":
         return torch.compile(model, backend="piecewise", options={"mode": "full"})
     raise ValueError(variant)
 
@@ -125,7 +131,7 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
         full = variant == "limit-full"
         return dict(zip(("step_ms", "first_call_s"), limit_step(twin if full else model, batch, args.prompt,
                                                                 args.steps, device, tensor_pos=full)))
-    target = twin if variant == "piecewise-full" else model
+    target = twin if variant == "piecewise-full-static" else model
     step = compiled_variant(variant, target)
     if variant == "piecewise-skip-guards":  # the stance refuses to compile: compile every graph first
         _, first_s = time_decode(step, target, batch, args.prompt, 4, device)
@@ -133,7 +139,7 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
             step_ms, _ = time_decode(step, target, batch, args.prompt, args.steps, device)
     else:
         step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
-                                       tensor_pos=variant == "piecewise-full")
+                                       tensor_pos=variant == "piecewise-full-static")
     row = {"step_ms": step_ms, "first_call_s": first_s}
     if variant.startswith("piecewise"):
         graphs = piecewise_backend.compiled_graphs()
