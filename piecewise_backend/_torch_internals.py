@@ -48,6 +48,22 @@ def fake_propagation(fake_mode):
     return stack
 
 
+def warm_compile_workers() -> None:
+    """Start Inductor's pool of compile worker processes now, as its own backend does on entry.
+
+    The pool takes seconds to start; a kernel compiled before it is ready is compiled in this
+    process, one at a time (``AsyncCompile.use_process_pool``). Inductor's backend warms it before
+    tracing with AOTAutograd; calling ``compile_fx`` per piece skips that, so the first pieces'
+    Triton kernels were compiled serially. No-op without Triton or with one compile thread.
+    ``maybe_warm_pool`` checked on torch 2.11 and 2.13.
+    """
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # pragma: no cover - a torch without it: nothing to warm
+        return
+    maybe_warm_pool()
+
+
 def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> tuple[Callable[..., Any], str | None]:
     """Compile one piece with Inductor, dynamic in the symbols its fake inputs carry.
 

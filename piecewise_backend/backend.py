@@ -392,6 +392,8 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     if fake_mode is None or any(facts.example_value(n) is None for n in phs):
         raise RuntimeError("piecewise backend: the graph has no fake example values; it must come from "
                            "torch.compile (Dynamo), not be called directly on an FX graph.")
+    if any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
+        _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_placeholders = {n.name for n in phs if _torch_internals.is_static_input(n)}
     _log_graph("piecewise input graph", gm)
     rewrite = None

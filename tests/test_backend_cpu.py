@@ -89,3 +89,19 @@ def test_backend_callable_works_without_the_registry_name():
     compiled = torch.compile(model, backend=piecewise_backend.piecewise)
     x = torch.randn(5, 8)
     torch.testing.assert_close(compiled(x), model(x))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compile_workers_are_warmed_for_gpu_graphs_only(device, monkeypatch):
+    """Inductor's compile-worker pool starts when a GPU graph reaches the backend (as Inductor's own
+    backend does), so the first pieces' Triton kernels need not compile one at a time."""
+    from piecewise_backend import _torch_internals
+
+    calls = []
+    monkeypatch.setattr(_torch_internals, "warm_compile_workers", lambda: calls.append(1))
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).to(device)
+    x = torch.randn(4, 8, device=device)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(model, backend="piecewise")(x), model(x))
+    assert len(calls) == (1 if device == "cuda" else 0)
