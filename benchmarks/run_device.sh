@@ -2,7 +2,8 @@
 # Device runs, in parts that fit one call each (10 minutes), accumulating in h200.json:
 #
 #   bash benchmarks/run_device.sh tests [ARGS...]   # every test, CUDA ones included (ARGS go to pytest:
-#                                                   #   -m cuda runs only the GPU tests, ~1 of ~4.5 min)
+#                                                   #   -m cuda runs only the GPU tests, ~1.5 of ~4.5 min;
+#                                                   #   exits non-zero if a test failed)
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
@@ -25,7 +26,9 @@ case "$part" in
   tests)
     python -m pytest -q -rs tests/ --junitxml="$OUT/pytest.xml" -p no:cacheprovider "$@" 2>&1 | tee "$OUT/pytest.log" \
       | tail -25
-    record --junit "$OUT/pytest.xml" ;;
+    record --junit "$OUT/pytest.xml"
+    # a failed test fails the part, so `run_device.sh tests -m cuda && run_device.sh suite ...` stops
+    python -c "import json, sys; sys.exit(json.load(open('$OUT/h200.json'))['tests']['failed'] > 0)" ;;
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
