@@ -27,6 +27,7 @@ import piecewise_backend
 from piecewise_backend import cudagraphs
 from piecewise_backend.cudagraphs import PieceRunner, synchronize
 from piecewise_backend.splitting import COMPUTE
+from piecewise_backend.timing import timed
 from piecewise_backend.toy_models import ToyConfig, reset_caches, sdpa_backends
 from suite import MODELS, next_ids, toy_model
 
@@ -119,16 +120,11 @@ def _replays_gpu_ms(graph, repeats: int = 20) -> float:
     excess over the limit into GPU work (this) and host work (the rest)."""
     key = max((key for runner in graph.runners.values() for key in runner.captures), default=None)
     graphs = [runner.captures[key].graph for runner in graph.runners.values() if key in runner.captures]
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
+
+    def replay_all() -> None:
         for cuda_graph in graphs:
             cuda_graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return round(statistics.median(times), 4)
+    return round(statistics.median(timed(replay_all, "cuda")[1] for _ in range(repeats)), 4)
 
 
 def _per_call_us(fn, repeats: int = 2000) -> float:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from piecewise_backend import cudagraphs
+
 CUDA = torch.cuda.is_available()
 
 
@@ -23,3 +25,13 @@ def pytest_collection_modifyitems(config, items):
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="module")
+def emulated_graphs():
+    """CUDA graphs emulated on CPU for a whole test module (``cudagraphs._EmulatedGraph``), so the
+    capture, replay and padding logic runs without a GPU. A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("emulated_graphs")``."""
+    cudagraphs.EMULATE_ON_CPU = True
+    yield
+    cudagraphs.EMULATE_ON_CPU = False

@@ -12,7 +12,6 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend import cudagraphs
 from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
@@ -21,13 +20,7 @@ from .helpers import Encoder, assert_results_close, compile_with_reference, deco
 
 CFG = ToyConfig(layers=2, max_batch=12)
 SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulate_graphs_on_cpu():
-    cudagraphs.EMULATE_ON_CPU = True
-    yield
-    cudagraphs.EMULATE_ON_CPU = False
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _compile(model_cls, options):

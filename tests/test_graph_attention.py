@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from piecewise_backend import cudagraphs
 from piecewise_backend.graph_attention import prefix_attention
 from piecewise_backend.toy_models import ToyConfig, ToyLlama
 
@@ -24,13 +23,7 @@ from .helpers import assert_close_steps, assert_results_close, compile_with_refe
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 OPTIONS = {"capture_sizes": [2, 4, 8], "graph_attention": True}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulate_graphs_on_cpu():
-    cudagraphs.EMULATE_ON_CPU = True
-    yield
-    cudagraphs.EMULATE_ON_CPU = False
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _attention_case(device, buffer_len, batch=3, heads=4, dim=64, dtype=torch.float32):

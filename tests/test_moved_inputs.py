@@ -13,19 +13,12 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend import cudagraphs
 from piecewise_backend.toy_models import ToyConfig, ToyLlama
 
 from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulate_graphs_on_cpu():
-    cudagraphs.EMULATE_ON_CPU = True
-    yield
-    cudagraphs.EMULATE_ON_CPU = False
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _decode(compiled, reference, start_pos):
