@@ -10,7 +10,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piecewise_backend import cudagraphs
 from piecewise_backend.splitting import COMPUTE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
@@ -18,13 +17,7 @@ from .helpers import assert_results_close, compile_with_reference, decode_at_siz
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 LENGTH = 6  # PeekPastTheEnd's cache positions
-
-
-@pytest.fixture(scope="module", autouse=True)
-def emulate_graphs_on_cpu():
-    cudagraphs.EMULATE_ON_CPU = True
-    yield
-    cudagraphs.EMULATE_ON_CPU = False
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _eager_code(start) -> str:
