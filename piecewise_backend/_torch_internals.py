@@ -154,7 +154,6 @@ def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
     return gm.forward
 
 
-
 def resolve_process_group(group_name: str):
     """The ProcessGroup a functional collective in a graph names (``group_name`` is a string there).
 

@@ -359,21 +359,20 @@ def _leading_dynamic_size(fake_inputs: list, symbols: list) -> int | None:
 
 
 def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list,
-             masked: frozenset, masked_nodes: frozenset):
+             unmasked_writes: dict, masked_nodes: frozenset):
     """(pad position in the key, padding per piece, why not padded or None, description).
 
-    The KV writes moved into compute pieces (``position_writes``: ``masked`` buffers, written by
-    ``masked_nodes``) are masked to the caller's rows, so they neither forbid padding nor count as
-    mixing rows.
+    The KV writes moved into compute pieces (``position_writes``, written by ``masked_nodes``) are
+    masked to the caller's rows, so they neither forbid padding nor count as mixing rows: only each
+    piece's ``unmasked_writes`` do.
     """
     pad_position = _leading_dynamic_size(fake_inputs, symbols)
     if pad_position is None:
         return None, {}, None, "no dynamic batch size: one shape, captured as is"
     sym = symbols[pad_position]
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
-    writes = {p.name: tuple(w for w in p.writes_inputs if w not in masked) for p in split.pieces if p.kind == COMPUTE}
     nodes = [n for n in split.compute_nodes if n not in masked_nodes]
-    per_piece, reason = plan_padding(sym, nodes, pieces, writes)
+    per_piece, reason = plan_padding(sym, nodes, pieces, unmasked_writes)
     if reason:
         return pad_position, {}, reason, f"off for {sym}: {reason}; only exact capture sizes get graphs"
     return pad_position, per_piece, None, f"{sym} padded up to the next capture size"
@@ -424,6 +423,9 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     for spec in split.pieces:
         _log_graph(f"piecewise {spec.name} {spec.kind}", getattr(split_gm, spec.name))
     compute_names = {p.name for p in split.pieces if p.kind == COMPUTE}
+    # per compute piece, the inputs it writes at the caller's positions (not masked to its rows)
+    unmasked = {p.name: tuple(w for w in p.writes_inputs if w not in masked) for p in split.pieces
+                if p.kind == COMPUTE}
     compiler = PieceCompiler(fake_mode, split.step_symbols)
     compiled, fake_outputs, node_values = compile_pieces(split_gm, compute_names, fake_inputs, compiler)
     staging = stage_keys(split_gm, node_values, compute_names, split.written_inputs, static_placeholders)
@@ -436,7 +438,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     sources, symbols, missing = _key_sources(fake_inputs, needed - split.step_symbols)
     reason = _graphs_disabled_reason(config, fake_inputs, missing)
     pad_position, padding, no_padding, padding_note = _padding(
-        split, compiled, fake_outputs, fake_inputs, symbols, masked, rewrite.nodes if rewrite is not None else ())
+        split, compiled, fake_outputs, fake_inputs, symbols, unmasked, rewrite.nodes if rewrite is not None else ())
     if not config.padding and pad_position is not None:
         padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
     policy = CapturePolicy(config, pad_position, no_padding, rank_agreement(gm.graph))
@@ -459,13 +461,12 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
                 config.warmup_runs, config.clone_outputs, padding.get(spec.name),
                 _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name],
-                _positions(input_args[spec.name], set(spec.writes_inputs) - masked), policy.agreement)
+                _positions(input_args[spec.name], unmasked[spec.name]), policy.agreement)
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:
             split_gm.__dict__[spec.name] = submod.forward  # skip nn.Module.__call__ overhead
-    unmasked_writes = tuple(dict.fromkeys(w for p in split.pieces if p.kind == COMPUTE for w in p.writes_inputs
-                                          if w not in masked))
+    unmasked_writes = tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes))
     graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,
                           reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs, rewrite,
                           unmasked_writes)
