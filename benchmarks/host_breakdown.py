@@ -71,7 +71,7 @@ def _timed_steps(step, logits, pos: int, steps: int, device: str) -> tuple[list,
     """Host seconds per step to enqueue it, and to finish it (synchronised)."""
     enqueue, synced = [], []
     for _ in range(steps):
-        ids = logits[:, -1:].argmax(-1)
+        ids = next_ids(logits)
         synchronize(device)
         start = time.perf_counter()
         logits = step(ids, pos)

@@ -49,8 +49,8 @@ import torch
 import piecewise_backend
 from piecewise_backend.cudagraphs import synchronize
 from piecewise_backend.timing import time_decode, timed
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, reset_caches, \
-    sdpa_backends
+from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, next_tokens, \
+    reset_caches, sdpa_backends
 
 MODELS = {
     "16L": dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816),
@@ -71,9 +71,7 @@ def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
 
 def next_ids(logits: torch.Tensor) -> torch.Tensor:
     """Greedy next tokens, their batch dim marked dynamic (one decode graph for every batch size)."""
-    ids = logits[:, -1:].argmax(-1)
-    torch._dynamo.maybe_mark_dynamic(ids, 0)
-    return ids
+    return next_tokens(logits, mark_batch_dynamic=True)
 
 
 def model_name(cfg: ToyConfig) -> str:

@@ -12,7 +12,7 @@ import torch
 
 from . import compiled_graphs
 from .timing import time_decode
-from .toy_models import ToyConfig, ToyLlama, init_weights_, reset_caches, sdpa_backends
+from .toy_models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches, sdpa_backends
 
 
 def main(argv=None) -> None:
@@ -42,7 +42,7 @@ def main(argv=None) -> None:
         reset_caches(model)
         ids = torch.randint(0, cfg.vocab, (1, prompt), device=device)
         first = compiled(ids, 0)
-        compiled(first[:, -1:].argmax(-1), prompt)
+        compiled(next_tokens(first), prompt)
         print(f"first calls (compile + prefill + first decode): {time.perf_counter() - start:.1f} s")
         rows = []
         for batch in args.batches:

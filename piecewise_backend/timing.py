@@ -13,7 +13,7 @@ import time
 import torch
 
 from .cudagraphs import synchronize
-from .toy_models import reset_caches
+from .toy_models import next_tokens, reset_caches
 
 
 def timed(fn, device: str):
@@ -51,10 +51,8 @@ def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, t
     first_call = time.perf_counter() - start
     pos, times = prompt, []
     for _ in range(steps):
-        next_ids = logits[:, -1:].argmax(-1)
-        if mark_batch and batch > 1:
-            torch._dynamo.maybe_mark_dynamic(next_ids, 0)
-        logits, ms = timed(lambda: step(next_ids, where(pos, 1)), device)
+        ids = next_tokens(logits, mark_batch and batch > 1)
+        logits, ms = timed(lambda: step(ids, where(pos, 1)), device)
         times.append(ms)
         pos += 1
     return statistics.median(times[steps // 2:]), first_call

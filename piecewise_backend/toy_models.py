@@ -299,6 +299,15 @@ def reset_caches(model: nn.Module) -> None:
             buf.zero_()
 
 
+def next_tokens(logits: torch.Tensor, mark_batch_dynamic: bool = False) -> torch.Tensor:
+    """Greedy next tokens ``[B, 1]`` from logits ``[B, S, vocab]``. ``mark_batch_dynamic``: tell
+    Dynamo their batch dim varies, so one decode graph serves every batch size."""
+    ids = logits[:, -1:].argmax(-1)
+    if mark_batch_dynamic:
+        torch._dynamo.maybe_mark_dynamic(ids, 0)
+    return ids
+
+
 def decode_loop(step, input_ids: torch.Tensor, new_tokens: int) -> list[torch.Tensor]:
     """Prefill ``input_ids`` then decode greedily; ``step(ids, pos)`` returns logits.
 
@@ -309,8 +318,7 @@ def decode_loop(step, input_ids: torch.Tensor, new_tokens: int) -> list[torch.Te
     outs.append(logits.clone())
     pos = input_ids.shape[1]
     for _ in range(new_tokens):
-        next_ids = logits[:, -1:].argmax(-1)
-        logits = step(next_ids, pos)
+        logits = step(next_tokens(logits), pos)
         outs.append(logits.clone())
         pos += 1
     return outs
