@@ -121,10 +121,47 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def main() -> None:
-    """``torchrun --nproc-per-node N -m piecewise_backend.toy_parallel``: one JSON line per rank."""
+# The benchmarks' 16-layer toy (benchmarks/suite.py's "16L").
+TIMED_MODEL = dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816)
+
+
+def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int = 256, steps: int = 64,
+               model: dict = TIMED_MODEL) -> dict:
+    """Decode step time of this rank's bf16 shard of the benchmarks' 16-layer toy (hidden 1024), run
+    eagerly and compiled with the piecewise backend, side by side (``timing.time_decode``: median
+    over the second half of ``steps``, KV growing from ``prompt``).
+
+    Why: on several GPUs every layer adds two all-reduces to the launches a step makes, so the
+    host-bound decode step gains at least as much from graphs as on one GPU; this measures it.
+    """
     import torch.distributed as dist
 
+    from .timing import time_decode
+
+    cfg = ToyConfig(**model, max_batch=batch, max_seq=prompt + steps + 1)
+    full = init_weights_(ToyLlama(cfg))  # same seed on every rank: the shards fit together
+    shard = ToyTPLlama.shard(full, rank, world, dist.group.WORLD).to(device=device, dtype=torch.bfloat16).eval()
+    del full
+    compiled = torch.compile(shard, backend="piecewise")
+    row = {"rank": rank, "world": world, "batch": batch, "layers": cfg.layers, "hidden": cfg.hidden}
+    with torch.no_grad(), sdpa_backends(device):
+        for name, step in (("eager", shard), ("piecewise", compiled)):
+            torch.manual_seed(1)  # the same prompt on every rank (the ranks' logits are the same)
+            ms, first_call = time_decode(step, shard, batch, prompt, steps, device)
+            row[f"{name}_step_ms"], row[f"{name}_first_call_s"] = round(ms, 4), round(first_call, 2)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m piecewise_backend.toy_parallel [--time]``: one JSON line per
+    rank and check (``--time`` adds :func:`time_check`'s at batch 1 and 8)."""
+    import argparse
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="python -m piecewise_backend.toy_parallel")
+    parser.add_argument("--time", action="store_true", help="also time the 16-layer shard, eager vs piecewise")
+    args = parser.parse_args(argv)
     for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,6 +171,9 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
         print(json.dumps(decode_check(rank, world, device)), flush=True)
+        if args.time:
+            for batch in (1, 8):
+                print(json.dumps(time_check(rank, world, device, batch=batch)), flush=True)
     finally:
         dist.destroy_process_group()
 

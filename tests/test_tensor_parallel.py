@@ -8,7 +8,10 @@ check runs on GPUs with ``torchrun --nproc-per-node 2 -m piecewise_backend.toy_p
 """
 
 import json
+import os
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -121,3 +124,24 @@ def test_a_capture_that_fails_on_one_rank_is_given_up_on_both(tmp_path):
         assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
     assert any("injected capture failure" in f for f in second["failures"]), second["failures"]
     assert any("failed on another rank" in f for f in first["failures"]), first["failures"]
+
+
+@pytest.mark.cuda
+def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
+    """What users launch: torchrun, one process per GPU, NCCL. The all-reduces are inside the
+    captured pieces (replays > 0 with NCCL means they ran from a CUDA graph); a deadlock from ranks
+    capturing out of step would end in the timeout instead."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    from piecewise_backend.toy_parallel import MULTICAST_OFF
+
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(WORLD), "-m", "piecewise_backend.toy_parallel"],
+                         capture_output=True, text=True, timeout=600, env={**os.environ, **MULTICAST_OFF})
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in results) == list(range(WORLD)), run.stdout
+    for result in results:
+        assert result["max_abs_diff"] < 1e-3, result
+        assert result["replays"] > 0 and result["agreement"] and result["captured"], result
+    assert results[0]["captured"] == results[1]["captured"], results
