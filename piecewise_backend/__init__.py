@@ -7,7 +7,7 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 ``backend=piecewise_backend.piecewise`` works too.
 """
 
-from .backend import CompiledGraph, capture, compiled_graphs, piecewise
+from .backend import CompiledGraph, capture, compiled_graphs, piecewise, release_graphs
 from .config import PiecewiseConfig
 from .cudagraphs import pool_bytes
 from .inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
@@ -22,6 +22,7 @@ __all__ = [
     "CompiledGraph",
     "compiled_graphs",
     "capture",
+    "release_graphs",
     "process_stats",
     "capture_table",
     "pool_bytes",

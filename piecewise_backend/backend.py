@@ -56,6 +56,23 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
     return {g.serial: g.capture(sizes) for g in compiled_graphs() if g.can_capture_up_front}
 
 
+def release_graphs() -> int:
+    """Destroy every CUDA graph this backend captured in this process; returns how many shape keys
+    were released. The compiled pieces stay, and later calls capture again, lazily, as at first.
+
+    Why: NCCL counts each CUDA graph that captured one of its collectives and
+    ``ncclCommDestroy`` waits until all of them are destroyed, so a tensor-parallel program whose
+    graphs are still alive hangs in ``torch.distributed.destroy_process_group()`` (pytorch#115388;
+    seen with torch 2.11 on two H200s). Call this before destroying the process group. The graph
+    pool's memory stays reserved for later captures.
+    """
+    graphs = compiled_graphs()
+    devices = {g._device for g in graphs if g.captured and g._device.type == "cuda"}
+    for device in devices:  # no graph is destroyed while a replay of it may still be running
+        synchronize(device)
+    return sum(g.release_graphs() for g in graphs)
+
+
 class CompiledGraph:
     """The callable Dynamo installs for one captured graph."""
 
@@ -192,6 +209,16 @@ class CompiledGraph:
             warnings.warn(message, stacklevel=4)
 
     # -- capture bookkeeping ----------------------------------------------------------------------
+
+    def release_graphs(self) -> int:
+        """Forget every shape key's graphs (see the module's :func:`release_graphs`); the number of
+        keys released. Keys whose capture failed stay un-graphed."""
+        released = len(self.captured)
+        for runner in self.runners.values():
+            runner.captures.clear()
+        self.captured.clear()
+        self._plans.clear()  # plans of captured keys would replay graphs that are gone
+        return released
 
     def _pool_bytes(self) -> int:
         device = self._device

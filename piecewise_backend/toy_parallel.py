@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
             for batch in (1, 8):
                 print(json.dumps(time_check(rank, world, device, batch=batch)), flush=True)
     finally:
+        # NCCL's destroy waits for every graph that captured its collectives to be destroyed
+        import piecewise_backend
+
+        piecewise_backend.release_graphs()
         dist.destroy_process_group()
 
 

@@ -212,3 +212,31 @@ def test_full_mode_pads_a_graph_safe_model():
     graph = _padded_graphs(start)[-1]
     assert graph.stats.num_pieces == 1 and "padded" in graph.stats.padding
     assert graph.captured == {(2,), (4,), (8,)}
+
+
+def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monkeypatch):
+    # what a tensor-parallel program does before destroy_process_group (NCCL waits for every graph
+    # that captured its collectives to be destroyed)
+    import gc
+    import weakref
+
+    from piecewise_backend import backend, release_graphs
+
+    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8]})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, (2, 3))
+    graphs = _padded_graphs(start)
+    alive = [weakref.ref(c.graph) for g in graphs for r in g.runners.values() for c in r.captures.values()]
+    assert alive and all(ref() is not None for ref in alive)
+    monkeypatch.setattr(backend, "compiled_graphs", lambda: graphs)  # leave other tests' graphs alone
+    keys = sum(len(g.captured) for g in graphs)
+    assert keys >= 2 and release_graphs() == keys
+    gc.collect()
+    assert all(ref() is None for ref in alive)
+    main = _main_graph(start)
+    assert main.captured == set() and all(not r.captures for r in main.runners.values())
+    with torch.no_grad():
+        results += decode_at_sizes(compiled, reference, (3, 2), start_pos=4)
+    assert_results_close(results)
+    assert [e.key for e in main.stats.events] == [(2,), (4,), (4,), (2,)]  # captured again, in call order
+    assert main.stats.replays > 0
