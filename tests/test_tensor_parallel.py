@@ -135,12 +135,23 @@ def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
         pytest.skip("needs 2 GPUs")
     from piecewise_backend.toy_parallel import MULTICAST_OFF
 
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                          str(WORLD), "-m", "piecewise_backend.toy_parallel"],
-                         capture_output=True, text=True, timeout=600, env={**os.environ, **MULTICAST_OFF})
-    assert run.returncode == 0, run.stderr[-4000:]
-    results = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert sorted(r["rank"] for r in results) == list(range(WORLD)), run.stdout
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               "-m", "piecewise_backend.toy_parallel"]
+    # its own process group, so a hang (ranks out of step, or a rank that never exits) can be
+    # killed whole: torchrun's workers would otherwise keep the GPUs
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True, env={**os.environ, **MULTICAST_OFF})
+    try:
+        stdout, stderr = run.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, 9)
+        stdout, stderr = run.communicate()
+        pytest.fail("the two ranks did not finish in 300 s (collectives out of step, or a rank that could "
+                    f"not exit: graphs holding NCCL collectives still alive at destroy_process_group?)\n"
+                    f"{stdout[-2000:]}\n{stderr[-2000:]}")
+    assert run.returncode == 0, stderr[-4000:]
+    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in results) == list(range(WORLD)), stdout
     for result in results:
         assert result["max_abs_diff"] < 1e-3, result
         assert result["replays"] > 0 and result["agreement"] and result["captured"], result
