@@ -7,6 +7,8 @@
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
+#   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
+#                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
 #
 # Each part merges its keys into the repo's benchmarks/results/h200.json (stamped with the code hash)
 # and leaves the result, logs and the figure under $OUT; copy $OUT/h200.json back into the repo.
@@ -41,5 +43,8 @@ case "$part" in
       | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
-  *) echo "unknown part $part: tests, capture, host or suite" >&2; exit 2 ;;
+  ab)
+    (cd benchmarks && python ab_versions.py --json "$OUT/ab_versions.json" "$@") 2>&1 | tee "$OUT/ab.log" \
+      | grep '^{"model' ;;
+  *) echo "unknown part $part: tests, capture, host, suite or ab" >&2; exit 2 ;;
 esac

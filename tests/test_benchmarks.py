@@ -82,3 +82,31 @@ def test_host_breakdown_runs_with_graph_attention(tmp_path):
     step = json.loads(out.read_text())["step"]
     assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
     assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0
+
+
+def test_ab_versions_summarises_medians_and_ratio():
+    import ab_versions
+
+    def rows(limit, piecewise):
+        return ab_versions._with_ratios([{"model": "m", "variant": "limit", "batch": 1, "step_ms": limit},
+                                         {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": piecewise}])
+
+    runs = {"A": [rows(1.0, 1.5), rows(1.0, 1.3), rows(2.0, 1.4)], "B": [rows(1.0, 1.2), rows(1.0, 1.1), rows(1.0, 9.0)]}
+    piecewise = next(r for r in ab_versions._summary(runs) if r["variant"] == "piecewise")
+    assert piecewise["A_step_ms"] == 1.4 and piecewise["B_step_ms"] == 1.2 and piecewise["B_over_A"] == 0.857
+    assert piecewise["A_vs_limit"] == 1.3 and piecewise["B_vs_limit"] == 1.2
+
+
+def test_ab_versions_runs_each_versions_own_suite(tmp_path):
+    """Both sides the same checkout here (CI's clone may lack other revisions); on the device they are
+    two exports (``--export REV DIR``)."""
+    import json
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = tmp_path / "ab.json"
+    _run_script(["ab_versions.py", str(root), str(root), "--models", "tiny", "--batches", "2", "--steps", "3",
+                 "--prompt", "4", "--rounds", "1", "--variants", "piecewise", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["versions"]["A"]["code_hash"] == record.code_hash(root)
+    (row,) = result["summary"]
+    assert row["variant"] == "piecewise" and row["A_step_ms"] > 0 and row["B_over_A"] is not None, row
