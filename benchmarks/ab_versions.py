@@ -48,7 +48,8 @@ def _env(version: pathlib.Path) -> dict:
 def _check_import(version: pathlib.Path) -> None:
     """The child must import *this* version's package, not an installed one."""
     where = subprocess.run([sys.executable, "-c", "import piecewise_backend; print(piecewise_backend.__file__)"],
-                           env=_env(version), capture_output=True, text=True, check=True).stdout.strip()
+                           env=_env(version), cwd=version / "benchmarks", capture_output=True, text=True,
+                           check=True).stdout.strip()
     if not pathlib.Path(where).resolve().is_relative_to(version.resolve()):
         raise SystemExit(f"{version}: piecewise_backend imports from {where}, not from the version directory")
 
@@ -110,7 +111,7 @@ def main() -> None:
         return export(*args.export)
     if len(args.versions) != 2:
         parser.error("give two version directories (A_DIR B_DIR), or --export REV DIR")
-    versions = {"A": pathlib.Path(args.versions[0]), "B": pathlib.Path(args.versions[1])}
+    versions = {"A": pathlib.Path(args.versions[0]).resolve(), "B": pathlib.Path(args.versions[1]).resolve()}
     for version in versions.values():
         _check_import(version)
     runs: dict[str, list[list[dict]]] = {label: [] for label in versions}

@@ -44,7 +44,6 @@ case "$part" in
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
   ab)
-    (cd benchmarks && python ab_versions.py --json "$OUT/ab_versions.json" "$@") 2>&1 | tee "$OUT/ab.log" \
-      | grep '^{"model' ;;
+    python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
   *) echo "unknown part $part: tests, capture, host, suite or ab" >&2; exit 2 ;;
 esac
