@@ -27,8 +27,10 @@ Variants, side by side in one process (the machines are noisy; read ratios):
   masked attention over the whole static cache is a different, slower kernel than ``limit``'s).
 
 Decode: prefill ``--prompt`` tokens, then ``--steps`` steps with the KV length growing each step;
-CUDA events; median over the second half. A variant that fails is a row with its error, never a
-skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
+CUDA events; median over the second half. ``--rounds N`` (N > 1): per batch, every variant is
+compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
+so a slow spell of the machine hits all variants alike. A variant that fails is a row with its
+error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
 (empty Inductor cache) and warm (second process, same cache), for ``inductor`` and ``piecewise``.
 """
 
@@ -78,12 +80,11 @@ def model_name(cfg: ToyConfig) -> str:
     return f"llama-{cfg.layers}L-{cfg.hidden}"
 
 
-def limit_step(model, batch: int, prompt: int, steps: int, device: str,
-               tensor_pos: bool = False) -> tuple[float, float]:
-    """The whole Inductor-compiled decode step at one shape and position, replayed from one graph."""
+def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False):
+    """The whole Inductor-compiled decode step at one shape and position, captured in one graph:
+    (graph, seconds to compile and warm up)."""
     if device != "cuda":
         raise RuntimeError("the limit is a CUDA graph: needs a GPU")
-    torch._dynamo.reset()
     compiled = torch.compile(model, dynamic=False)
     reset_caches(model)
     ids = torch.randint(0, model.cfg.vocab, (batch, 1), device=device)
@@ -96,8 +97,21 @@ def limit_step(model, batch: int, prompt: int, steps: int, device: str,
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         compiled(ids, pos)
+    return graph, first_call
+
+
+def replay_ms(graph, steps: int, device: str) -> float:
+    """Median over the second half of ``steps`` timed replays."""
     times = [timed(graph.replay, device)[1] for _ in range(steps)]
-    return statistics.median(times[steps // 2:]), first_call
+    return statistics.median(times[steps // 2:])
+
+
+def limit_step(model, batch: int, prompt: int, steps: int, device: str,
+               tensor_pos: bool = False) -> tuple[float, float]:
+    """(median ms of the limit's replays, seconds of its first call)."""
+    torch._dynamo.reset()
+    graph, first_call = limit_graph(model, batch, prompt, device, tensor_pos)
+    return replay_ms(graph, steps, device), first_call
 
 
 def compiled_variant(variant: str, model):
@@ -140,21 +154,60 @@ def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dic
                                        tensor_pos=variant == "piecewise-full-static")
     row = {"step_ms": step_ms, "first_call_s": first_s}
     if variant.startswith("piecewise"):
-        graphs = piecewise_backend.compiled_graphs()
-        main = max(graphs, key=lambda g: g.stats.calls)
-        row["piecewise"] = {"graphs": len(graphs), "pieces": main.stats.num_pieces,
-                            "compute_pieces": main.stats.num_compute_pieces,
-                            "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
-                            "captures": sum(g.stats.captures for g in graphs),
-                            "input_copies_per_step": round(
-                                sum(p.input_copies for p in main.stats.pieces.values())
-                                / max(main.stats.calls, 1), 2),
-                            "padding": main.stats.padding}
+        row["piecewise"] = piecewise_facts(piecewise_backend.compiled_graphs())
     return row
 
 
+def piecewise_facts(graphs: list) -> dict:
+    """What the backend made of the model: pieces, compiles, captures, copies per step."""
+    main = max(graphs, key=lambda g: g.stats.calls)
+    return {"graphs": len(graphs), "pieces": main.stats.num_pieces,
+            "compute_pieces": main.stats.num_compute_pieces,
+            "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
+            "captures": sum(g.stats.captures for g in graphs),
+            "input_copies_per_step": round(sum(p.input_copies for p in main.stats.pieces.values())
+                                           / max(main.stats.calls, 1), 2),
+            "padding": main.stats.padding}
+
+
+def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
+    """Compile and warm up ``variant`` at ``batch`` without resetting Dynamo (the other variants'
+    graphs stay cached): (first call seconds, ``measure()`` giving one decode run's median ms,
+    ``facts()`` giving the row's extra fields once the rounds are done)."""
+    before = {g.serial for g in piecewise_backend.compiled_graphs()}
+    if variant in ("limit", "limit-full"):
+        full = variant == "limit-full"
+        graph, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
+        return first_s, lambda: replay_ms(graph, args.steps, device), dict
+    if variant == "eager":
+        step, target = model, model
+    else:
+        target = twin if variant == "piecewise-full-static" else model
+        step = compiled_variant(variant, target)
+    tensor_pos = variant == "piecewise-full-static"
+    _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
+
+    def measure() -> float:
+        if variant == "piecewise-skip-guards":
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return time_decode(step, target, batch, args.prompt, args.steps, device)[0]
+        return time_decode(step, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
+
+    # this variant's graphs: those its warm-up compiled (``piecewise-skip-guards`` compiles none: the
+    # same backend and options as ``piecewise``, so Dynamo serves it ``piecewise``'s cache entries)
+    mine = [g for g in piecewise_backend.compiled_graphs() if g.serial not in before]
+
+    def facts() -> dict:
+        return {"piecewise": piecewise_facts(mine)} if mine else {}
+
+    return first_s, measure, facts
+
+
 def decode_rows(args, device: str, rows: list) -> list[dict]:
-    """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured)."""
+    """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured).
+    With ``args.rounds`` > 1, :func:`interleaved_rows` instead."""
+    if getattr(args, "rounds", 1) > 1:
+        return interleaved_rows(args, device, rows)
     for key in args.models:
         model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
         cfg = model.cfg
@@ -174,6 +227,56 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 _save(args)
+    return rows
+
+
+def interleaved_rows(args, device: str, rows: list) -> list[dict]:
+    """Per model and batch: every variant compiled and warmed up first, then ``args.rounds`` rounds
+    that time each variant in turn; a row's ``step_ms`` is the median of its rounds
+    (``step_ms_rounds``).
+
+    Why: a lent machine's host speed drifts over seconds (two variants doing the same work, one
+    graph per step each, came out 1.05 and 1.25 ms when timed 30 s apart), so variants timed one
+    after the other can differ by more than what separates them. Interleaved, a slow spell hits
+    every variant. Dynamo is reset once per batch, not per variant, so its cache holds every
+    variant's graphs at once (told apart by its backend check; the recompile limit is raised).
+    """
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    for key in args.models:
+        model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+        cfg = model.cfg
+        twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=cfg.max_batch, max_seq=cfg.max_seq)
+        twin.load_state_dict(model.state_dict())
+        for batch in args.batches:
+            torch._dynamo.reset()
+            batch_rows, measures, facts = {}, {}, {}
+            with torch.inference_mode(), sdpa_backends(device):
+                for variant in args.variants:
+                    row = batch_rows[variant] = {"model": model_name(cfg), "variant": variant, "batch": batch}
+                    try:
+                        first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
+                                                                                      args, device)
+                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[])
+                    except Exception as exc:  # a failure is a result, not a skip
+                        row.update(step_ms=None, first_call_s=None, error=f"{type(exc).__name__}: {exc}"[:500])
+                        traceback.print_exc()
+                for _ in range(args.rounds):
+                    for variant, measure in list(measures.items()):
+                        row = batch_rows[variant]
+                        try:
+                            row["step_ms_rounds"].append(round(measure(), 4))
+                        except Exception as exc:
+                            row.update(error=f"{type(exc).__name__}: {exc}"[:500])
+                            del measures[variant]
+                            traceback.print_exc()
+            for variant, row in batch_rows.items():
+                if variant in facts:
+                    row.update(facts[variant]())
+                times = row.get("step_ms_rounds")
+                row["step_ms"] = round(statistics.median(times), 4) if times and "error" not in row else None
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+            _save(args)
     return rows
 
 
@@ -262,6 +365,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="> 1: compile every variant first, then time them in turn, this many rounds")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")

@@ -27,6 +27,20 @@ def test_suite_rows_include_failures_as_rows():
     assert by_variant["limit"]["step_ms"] is None and "needs a GPU" in by_variant["limit"]["error"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
+def test_interleaved_rounds_time_every_variant_each_round():
+    import statistics
+
+    args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=3,
+                              prompt=4, rounds=3)
+    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    for variant in ("eager", "piecewise"):
+        assert len(rows[variant]["step_ms_rounds"]) == 3, rows[variant]
+        assert rows[variant]["step_ms"] == round(statistics.median(rows[variant]["step_ms_rounds"]), 4)
+    assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
+    assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
+
+
 def test_ratios_to_limit_and_table():
     rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
             {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
