@@ -203,16 +203,27 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     return first_s, measure, facts
 
 
+def models_for(key: str, args, device: str):
+    """The model sized for the run, and its graph-safe twin with the same weights."""
+    model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+    twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=model.cfg.max_batch, max_seq=model.cfg.max_seq)
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def _error(exc: Exception) -> str:
+    traceback.print_exc()
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
 def decode_rows(args, device: str, rows: list) -> list[dict]:
     """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured).
     With ``args.rounds`` > 1, :func:`interleaved_rows` instead."""
     if getattr(args, "rounds", 1) > 1:
         return interleaved_rows(args, device, rows)
     for key in args.models:
-        model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+        model, twin = models_for(key, args, device)
         cfg = model.cfg
-        twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=cfg.max_batch, max_seq=cfg.max_seq)
-        twin.load_state_dict(model.state_dict())
         for batch in args.batches:
             for variant in args.variants:
                 row = {"model": model_name(cfg), "variant": variant, "batch": batch}
@@ -222,8 +233,7 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                     row["step_ms"] = round(row["step_ms"], 4)
                     row["first_call_s"] = round(row["first_call_s"], 3)
                 except Exception as exc:  # a failure is a result, not a skip
-                    row.update(step_ms=None, first_call_s=None, error=f"{type(exc).__name__}: {exc}"[:500])
-                    traceback.print_exc()
+                    row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 _save(args)
@@ -243,10 +253,8 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for key in args.models:
-        model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+        model, twin = models_for(key, args, device)
         cfg = model.cfg
-        twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=cfg.max_batch, max_seq=cfg.max_seq)
-        twin.load_state_dict(model.state_dict())
         for batch in args.batches:
             torch._dynamo.reset()
             batch_rows, measures, facts = {}, {}, {}
@@ -258,17 +266,15 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                                                                                       args, device)
                         row.update(first_call_s=round(first_s, 3), step_ms_rounds=[])
                     except Exception as exc:  # a failure is a result, not a skip
-                        row.update(step_ms=None, first_call_s=None, error=f"{type(exc).__name__}: {exc}"[:500])
-                        traceback.print_exc()
+                        row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 for _ in range(args.rounds):
                     for variant, measure in list(measures.items()):
                         row = batch_rows[variant]
                         try:
                             row["step_ms_rounds"].append(round(measure(), 4))
                         except Exception as exc:
-                            row.update(error=f"{type(exc).__name__}: {exc}"[:500])
+                            row.update(error=_error(exc))
                             del measures[variant]
-                            traceback.print_exc()
             for variant, row in batch_rows.items():
                 if variant in facts:
                     row.update(facts[variant]())
