@@ -106,14 +106,6 @@ def replay_ms(graph, steps: int, device: str) -> float:
     return statistics.median(times[steps // 2:])
 
 
-def limit_step(model, batch: int, prompt: int, steps: int, device: str,
-               tensor_pos: bool = False) -> tuple[float, float]:
-    """(median ms of the limit's replays, seconds of its first call)."""
-    torch._dynamo.reset()
-    graph, first_call = limit_graph(model, batch, prompt, device, tensor_pos)
-    return replay_ms(graph, steps, device), first_call
-
-
 def compiled_variant(variant: str, model):
     if variant == "inductor":
         return torch.compile(model)
@@ -134,30 +126,6 @@ def compiled_variant(variant: str, model):
     raise ValueError(variant)
 
 
-def run_variant(variant: str, model, twin, batch: int, args, device: str) -> dict:
-    torch._dynamo.reset()
-    if variant == "eager":
-        return dict(zip(("step_ms", "first_call_s"), time_decode(model, model, batch, args.prompt, args.steps,
-                                                                 device)))
-    if variant in ("limit", "limit-full"):
-        full = variant == "limit-full"
-        return dict(zip(("step_ms", "first_call_s"), limit_step(twin if full else model, batch, args.prompt,
-                                                                args.steps, device, tensor_pos=full)))
-    target = twin if variant == "piecewise-full-static" else model
-    step = compiled_variant(variant, target)
-    if variant == "piecewise-skip-guards":  # the stance refuses to compile: compile every graph first
-        _, first_s = time_decode(step, target, batch, args.prompt, 4, device)
-        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-            step_ms, _ = time_decode(step, target, batch, args.prompt, args.steps, device)
-    else:
-        step_ms, first_s = time_decode(step, target, batch, args.prompt, args.steps, device,
-                                       tensor_pos=variant == "piecewise-full-static")
-    row = {"step_ms": step_ms, "first_call_s": first_s}
-    if variant.startswith("piecewise"):
-        row["piecewise"] = piecewise_facts(piecewise_backend.compiled_graphs())
-    return row
-
-
 def piecewise_facts(graphs: list) -> dict:
     """What the backend made of the model: pieces, compiles, captures, copies per step."""
     main = max(graphs, key=lambda g: g.stats.calls)
@@ -171,9 +139,10 @@ def piecewise_facts(graphs: list) -> dict:
 
 
 def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
-    """Compile and warm up ``variant`` at ``batch`` without resetting Dynamo (the other variants'
-    graphs stay cached): (first call seconds, ``measure()`` giving one decode run's median ms,
-    ``facts()`` giving the row's extra fields once the rounds are done)."""
+    """Compile and warm up ``variant`` at ``batch`` (a short decode, or the limit's capture):
+    (first call seconds, ``measure()`` giving one decode run's median ms, ``facts()`` giving the
+    row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
+    resets before each variant, the interleaved one before each batch."""
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
     if variant in ("limit", "limit-full"):
         full = variant == "limit-full"
@@ -228,10 +197,10 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
             for variant in args.variants:
                 row = {"model": model_name(cfg), "variant": variant, "batch": batch}
                 try:
+                    torch._dynamo.reset()
                     with torch.inference_mode(), sdpa_backends(device):
-                        row.update(run_variant(variant, model, twin, batch, args, device))
-                    row["step_ms"] = round(row["step_ms"], 4)
-                    row["first_call_s"] = round(row["first_call_s"], 3)
+                        first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
+                        row.update(step_ms=round(measure(), 4), first_call_s=round(first_s, 3), **facts())
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 print(json.dumps(row), flush=True)
