@@ -26,8 +26,9 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``limit-full``: the same for the graph-safe twin, the floor for ``piecewise-full-static`` (its
   masked attention over the whole static cache is a different, slower kernel than ``limit``'s).
 
-Decode: prefill ``--prompt`` tokens, then ``--steps`` steps with the KV length growing each step;
-CUDA events; median over the second half. ``--rounds N`` (N > 1): per batch, every variant is
+Decode: after a warm-up (compile, a prefill and 4 steps), prefill ``--prompt`` tokens, then
+``--steps`` steps with the KV length growing each step; CUDA events; median over the second half
+(``first_call_s``: the warm-up's first call, compile included). ``--rounds N`` (N > 1): per batch, every variant is
 compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
 so a slow spell of the machine hits all variants alike. A variant that fails is a row with its
 error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
