@@ -136,6 +136,24 @@ def stop_pool_recording(device_index: int, pool) -> None:
         pass
 
 
+def free_cublas_workspaces() -> None:
+    """Drop cuBLAS's (and cuBLASLt's) cached workspace of every (handle, stream), so that the next
+    matmul on a stream allocates a new one.
+
+    A captured matmul writes its workspace at the address it had at capture. Left to itself, the
+    workspace of our capture stream is allocated by the warm-up, outside the graph pool; then
+    anyone who clears the workspaces hands that memory back to the allocator under our graphs.
+    torch's own ``mode="reduce-overhead"`` does exactly that around each of its warm-ups and
+    captures (``cudagraph_trees.clear_cublas_manager``), and the ``empty_cache()`` of its capture
+    returns the memory to the driver: our next replay then wrote through a freed address
+    ("illegal memory access", seen on the H200 with both backends in one process). Cleared just
+    before our capture, the captured matmuls get a workspace allocated from the graph pool, which
+    stays mapped while the pool lives, whoever clears the cache later. The same call
+    ``clear_cublas_manager`` makes; checked on torch 2.11 and 2.13.
+    """
+    torch._C._cuda_clearCublasWorkspaces()
+
+
 def is_static_input(node: torch.fx.Node) -> bool:
     """Did Dynamo mark this graph input as a parameter/buffer with a fixed address?"""
     return "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})

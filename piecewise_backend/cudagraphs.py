@@ -106,8 +106,9 @@ def _capture_stream(index: int) -> torch.cuda.Stream:
 
     ``torch.cuda.graph`` takes a fresh stream per capture. cuBLAS keeps a workspace per stream, and
     the first matmul on a new stream allocates it, inside the capture, so from the graph pool and
-    for good: on the H200 that was about 1 GB of pool for one size of a 16-layer model. One stream,
-    warmed up outside capture, allocates it once, outside the pool.
+    for good: on the H200 that was about 1 GB of pool for one size of a 16-layer model. On one
+    stream, each capture frees the workspace the previous one left (see
+    :func:`capture_on_side_stream`) and allocates one again, of the same size, in the same pool.
     """
     if index not in _CAPTURE_STREAMS:
         _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
@@ -121,7 +122,9 @@ def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], A
 
     What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
     (seconds per size in vLLM's measurements) and its new stream per capture. ``capture_end``
-    always runs: a capture left open poisons every later one.
+    always runs: a capture left open poisons every later one. cuBLAS's workspaces are freed just
+    before ``capture_begin``, so the captured matmuls use a workspace from ``pool``, never one that
+    someone else can free under the graph (:func:`_torch_internals.free_cublas_workspaces`).
     """
     side = _capture_stream(torch.cuda.current_device() if device_index is None else device_index)
     side.wait_stream(torch.cuda.current_stream())
@@ -130,6 +133,7 @@ def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], A
             fn()
         if after_warmup is not None:
             after_warmup()
+        _torch_internals.free_cublas_workspaces()
         graph.capture_begin(pool=pool)
         try:
             result = fn()
