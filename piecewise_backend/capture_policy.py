@@ -12,6 +12,7 @@ import bisect
 import dataclasses
 
 from .config import PiecewiseConfig
+from .distributed import agreed_refusal
 
 ABOVE_MAX = "above the largest capture size"
 NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
@@ -144,9 +145,9 @@ class CapturePolicy:
         bucket = key[self.pad_position] if self.pad_position is not None else None
         size = bucket if size is None else size
         refusal = self.budget.refusal(bucket, len(captured), pool_bytes() if self.budget.needs_pool_bytes else 0)
-        if self.agreement is not None and not self.agreement.all_allow(refusal is None) and refusal is None:
-            refusal = ("another rank of this graph's collective group is over its capture budget; every rank "
-                       "skips this size so their collectives stay paired")
+        refusal = agreed_refusal(self.agreement, refusal,
+                                 "another rank of this graph's collective group is over its capture budget; "
+                                 "every rank skips this size so their collectives stay paired")
         if refusal:
             return Plan(None, size, miss=OVER_BUDGET, detail=refusal)
         return Plan(key, size, padded=bucket != size, capture=True)

@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from . import _torch_internals
+from .distributed import agreed_refusal
 from .padding import PiecePadding, evaluate
 from .stats import PieceStats
 
@@ -333,12 +334,12 @@ class PieceRunner:
     def _moved_static(self, captured: _Captured, args: tuple):
         """A parameter/buffer has a new address: copy it in (warned once), or, when the graph writes
         it, give this key up. Returns the un-graphed result in that last case, else None."""
-        for i, ptr in zip(self.static_indices, captured.static_ptrs):
+        for i, ptr, captured_static in zip(self.static_indices, captured.static_ptrs, captured.statics):
             arg = args[i]
             if arg.data_ptr() != ptr:
                 if i in self.written_args:
                     return self._drop_moved_written(self.step.key, i, args)
-                self._copy_in(captured, i, captured.statics[self.static_indices.index(i)], arg)
+                self._copy_in(captured, i, captured_static, arg)
         return None
 
     def _slice(self, captured: _Captured, size: int):
@@ -401,9 +402,9 @@ class PieceRunner:
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             if device is not None and device.type == "cuda":
                 recover_after_failed_capture(device)
-        if self.agreement is not None and not self.agreement.all_allow(failure is None) and failure is None:
-            failure = (f"capture at shape key {key} failed on another rank of this graph's process groups "
-                       f"(all give it up, so their collectives keep pairing up)")
+        failure = agreed_refusal(self.agreement, failure,
+                                 f"capture at shape key {key} failed on another rank of this graph's process "
+                                 f"groups (all give it up, so their collectives keep pairing up)")
         if failure is not None:
             reason = f"{failure}; running un-graphed"
             self.failed_keys.add(key)

@@ -64,6 +64,18 @@ class RankAgreement:
         return f"RankAgreement(groups={self.group_names})"
 
 
+def agreed_refusal(agreement: RankAgreement | None, refusal: str | None, elsewhere: str) -> str | None:
+    """This rank's reason not to capture (None: capture), made the same on every rank.
+
+    Every rank of ``agreement`` must call this at the same point (it is a collective); a rank
+    with no reason of its own gets ``elsewhere`` when another rank has one. No agreement (a graph
+    without collectives): ``refusal`` as it is.
+    """
+    if agreement is None or agreement.all_allow(refusal is None) or refusal is not None:
+        return refusal
+    return elsewhere
+
+
 def rank_agreement(graph: torch.fx.Graph) -> RankAgreement | None:
     """The agreement the graph's capture decisions need, or None if it has no collectives."""
     names = collective_groups(graph)

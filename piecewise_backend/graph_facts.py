@@ -76,6 +76,11 @@ def step_symbols(graph: torch.fx.Graph) -> frozenset:
     return frozenset(scalar_syms - shape_syms)
 
 
+def is_per_step(node: torch.fx.Node, steps: frozenset) -> bool:
+    """Does ``node``'s own value (a SymInt such as a KV length) change every decode step?"""
+    return bool(value_symbols(example_value(node)) & steps)
+
+
 def uses_step_symbols(node: torch.fx.Node, steps: frozenset) -> bool:
     """True if running ``node`` needs a step scalar: in its own value, or in the shapes it reads.
 
@@ -84,7 +89,7 @@ def uses_step_symbols(node: torch.fx.Node, steps: frozenset) -> bool:
     """
     if not steps:
         return False
-    if value_symbols(example_value(node)) & steps:
+    if is_per_step(node, steps):
         return True
     return any(value_symbols(example_value(i), with_offset=False) & steps for i in node.all_input_nodes)
 

@@ -79,8 +79,7 @@ def _dim(s, d: int, buffer_value: torch.Tensor, steps: frozenset, placeholders: 
         return None
     if s.stop is None:
         return ("full", int(buffer_value.shape[d]))
-    if isinstance(s.stop, int) or (s.stop in placeholders
-                                   and not facts.value_symbols(facts.example_value(s.stop)) & steps):
+    if isinstance(s.stop, int) or (s.stop in placeholders and not facts.is_per_step(s.stop, steps)):
         return ("prefix", s.stop)
     return None
 
@@ -94,7 +93,7 @@ def _slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, plac
     dims, step_dims = [], 0
     for d, s in enumerate(index):
         start = s.start if isinstance(s, slice) else None
-        if isinstance(start, torch.fx.Node) and facts.value_symbols(facts.example_value(start)) & steps:
+        if isinstance(start, torch.fx.Node) and facts.is_per_step(start, steps):
             n = value.shape[d]
             if s.step is not None or start not in placeholders or not isinstance(n, int):
                 return None

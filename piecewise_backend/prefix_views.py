@@ -40,12 +40,8 @@ def _stops_supported(index: tuple, steps: frozenset) -> bool:
     cost nothing per step, inside its graph, and are left to Inductor); other graph-value stops
     only on dim 0."""
     nodes = [(d, s.stop) for d, s in enumerate(index) if isinstance(s.stop, torch.fx.Node)]
-    return any(_per_step(stop, steps) for _, stop in nodes) and \
-        all(_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes)
-
-
-def _per_step(node: torch.fx.Node, steps: frozenset) -> bool:
-    return bool(facts.value_symbols(facts.example_value(node)) & steps)
+    return any(facts.is_per_step(stop, steps) for _, stop in nodes) and \
+        all(facts.is_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes)
 
 
 def find_prefix_views(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[torch.fx.Node]:
@@ -77,7 +73,7 @@ def rewrite_prefix_view(view: torch.fx.Node, steps: frozenset, add) -> torch.fx.
             sizes.append(size)
         elif isinstance(stop, int):
             sizes.append(min(stop, size))
-        elif not _per_step(stop, steps):
+        elif not facts.is_per_step(stop, steps):
             sizes.append(stop)  # the batch size on dim 0: past the buffer, as_strided raises
         else:
             clamped = add("call_function", torch.sym_min, stop, size)  # its value without a guard

@@ -81,6 +81,18 @@ class ToyTPLlama(ToyLlama):
         return part
 
 
+def toy_and_shard(cfg: ToyConfig, rank: int, world: int, device: str, dtype: torch.dtype):
+    """The whole toy, on the CPU, and this rank's shard of it on ``device`` in ``dtype``.
+
+    The weights come from ``init_weights_``'s fixed seed, the same on every rank, so the ranks'
+    shards fit together without sending weights around. Needs ``torch.distributed`` initialised.
+    """
+    import torch.distributed as dist
+
+    full = init_weights_(ToyLlama(cfg))
+    return full, ToyTPLlama.shard(full, rank, world, dist.group.WORLD).to(device=device, dtype=dtype).eval()
+
+
 def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4), options: dict | None = None,
                  cfg: ToyConfig | None = None) -> dict:
     """Compile this rank's shard with the piecewise backend, decode at changing batch sizes next to
@@ -88,14 +100,12 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
 
     Needs ``torch.distributed`` initialised (the default group is the tensor-parallel group).
     """
-    import torch.distributed as dist
-
     import piecewise_backend
 
     cfg = cfg or ToyConfig(layers=2, max_batch=8, max_seq=64)
     dtype = torch.float32
-    full = init_weights_(ToyLlama(cfg)).to(device=device, dtype=dtype).eval()
-    shard = ToyTPLlama.shard(full, rank, world, dist.group.WORLD).to(device=device, dtype=dtype).eval()
+    full, shard = toy_and_shard(cfg, rank, world, device, dtype)
+    full = full.to(device=device, dtype=dtype).eval()
     compiled = torch.compile(shard, backend="piecewise", options=options or {})
     g = torch.Generator().manual_seed(1)
     worst, pos = 0.0, 0
@@ -134,14 +144,10 @@ def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int =
     Why: on several GPUs every layer adds two all-reduces to the launches a step makes, so the
     host-bound decode step gains at least as much from graphs as on one GPU; this measures it.
     """
-    import torch.distributed as dist
-
     from .timing import time_decode
 
     cfg = ToyConfig(**model, max_batch=batch, max_seq=prompt + steps + 1)
-    full = init_weights_(ToyLlama(cfg))  # same seed on every rank: the shards fit together
-    shard = ToyTPLlama.shard(full, rank, world, dist.group.WORLD).to(device=device, dtype=torch.bfloat16).eval()
-    del full
+    _, shard = toy_and_shard(cfg, rank, world, device, torch.bfloat16)
     compiled = torch.compile(shard, backend="piecewise")
     row = {"rank": rank, "world": world, "batch": batch, "layers": cfg.layers, "hidden": cfg.hidden}
     with torch.no_grad(), sdpa_backends(device):
