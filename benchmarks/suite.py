@@ -139,16 +139,35 @@ def piecewise_facts(graphs: list) -> dict:
             "padding": main.stats.padding}
 
 
+def inductor_compiles() -> dict:
+    """Inductor's graph counts so far: compiled afresh (``fxgraph_cache_miss``) or loaded from its
+    cache (``fxgraph_cache_hit``)."""
+    from torch._dynamo.utils import counters
+
+    return {k: counters["inductor"].get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")}
+
+
+def _since(before: dict) -> dict:
+    """A row's compile facts: how many Inductor graphs its warm-up compiled and how many it loaded
+    from the cache, so that ``first_call_s`` says which it timed (the device runs keep Inductor's
+    cache between calls on one machine)."""
+    now = inductor_compiles()
+    return {"inductor_compiled": now["fxgraph_cache_miss"] - before["fxgraph_cache_miss"],
+            "inductor_cache_hits": now["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]}
+
+
 def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     """Compile and warm up ``variant`` at ``batch`` (a short decode, or the limit's capture):
     (first call seconds, ``measure()`` giving one decode run's median ms, ``facts()`` giving the
     row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
     resets before each variant, the interleaved one before each batch."""
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
+    compiles_before = inductor_compiles()
     if variant in ("limit", "limit-full"):
         full = variant == "limit-full"
         graph, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
-        return first_s, lambda: replay_ms(graph, args.steps, device), dict
+        compiles = _since(compiles_before)
+        return first_s, lambda: replay_ms(graph, args.steps, device), lambda: compiles
     if variant == "eager":
         step, target = model, model
     else:
@@ -156,6 +175,7 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
         step = compiled_variant(variant, target)
     tensor_pos = variant == "piecewise-full-static"
     _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
+    compiles = _since(compiles_before)
 
     def measure() -> float:
         if variant == "piecewise-skip-guards":
@@ -168,7 +188,7 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     mine = [g for g in piecewise_backend.compiled_graphs() if g.serial not in before]
 
     def facts() -> dict:
-        return {"piecewise": piecewise_facts(mine)} if mine else {}
+        return {**compiles, "piecewise": piecewise_facts(mine)} if mine else compiles
 
     return first_s, measure, facts
 

@@ -25,6 +25,12 @@ def test_suite_rows_include_failures_as_rows():
     assert by_variant["eager"]["step_ms"] > 0 and by_variant["piecewise"]["step_ms"] > 0
     assert by_variant["piecewise"]["piecewise"]["compute_pieces"] == 3
     assert by_variant["limit"]["step_ms"] is None and "needs a GPU" in by_variant["limit"]["error"]
+    # what first_call_s timed: the piecewise warm-up compiled (or loaded) every piece of its graphs
+    # (prefill and decode), eager nothing
+    piecewise = by_variant["piecewise"]
+    assert piecewise["inductor_compiled"] + piecewise["inductor_cache_hits"] \
+        == piecewise["piecewise"]["inductor_compiles"] >= 3, piecewise
+    assert by_variant["eager"]["inductor_compiled"] == by_variant["eager"]["inductor_cache_hits"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
