@@ -28,7 +28,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 
 Decode: after a warm-up (compile, a prefill and 4 steps), prefill ``--prompt`` tokens, then
 ``--steps`` steps with the KV length growing each step; CUDA events; median over the second half
-(``first_call_s``: the warm-up's first call, compile included). ``--rounds N`` (N > 1): per batch, every variant is
+(``first_call_s``: the warm-up's first call, compile included; ``host_ms``: the same median of the
+time each step took to *enqueue*, without waiting for the GPU). ``--rounds N`` (N > 1): per batch, every variant is
 compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
 so a slow spell of the machine hits all variants alike. A variant that fails is a row with its
 error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
@@ -101,10 +102,35 @@ def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = 
     return graph, first_call
 
 
-def replay_ms(graph, steps: int, device: str) -> float:
-    """Median over the second half of ``steps`` timed replays."""
-    times = [timed(graph.replay, device)[1] for _ in range(steps)]
-    return statistics.median(times[steps // 2:])
+class HostTimed:
+    """``step`` with the host time of each call kept: the time to *enqueue* it (no sync).
+
+    Why: the CUDA-event step time alone cannot say whether a variant waits on the host or on the
+    GPU; with the host time next to it, a variant whose host time is most of its step is
+    host-bound, and a slowdown shows on which side it is.
+    """
+
+    def __init__(self, step):
+        self.step, self.seconds = step, []
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        out = self.step(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return out
+
+    def median_ms(self, steps: int) -> float:
+        """Median over the second half of the last ``steps`` calls (the decode steps: the prefill
+        comes before them), in ms."""
+        decode = self.seconds[-steps:]
+        return statistics.median(decode[steps // 2:]) * 1e3
+
+
+def replay_ms(graph, steps: int, device: str) -> tuple[float, float]:
+    """Median over the second half of ``steps`` timed replays: (step ms, host ms)."""
+    replay = HostTimed(graph.replay)
+    times = [timed(replay, device)[1] for _ in range(steps)]
+    return statistics.median(times[steps // 2:]), replay.median_ms(steps)
 
 
 def compiled_variant(variant: str, model):
@@ -158,8 +184,8 @@ def _since(before: dict) -> dict:
 
 def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     """Compile and warm up ``variant`` at ``batch`` (a short decode, or the limit's capture):
-    (first call seconds, ``measure()`` giving one decode run's median ms, ``facts()`` giving the
-    row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
+    (first call seconds, ``measure()`` giving one decode run's median step ms and host ms,
+    ``facts()`` giving the row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
     resets before each variant, the interleaved one before each batch."""
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
     compiles_before = inductor_compiles()
@@ -177,11 +203,14 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
     compiles = _since(compiles_before)
 
-    def measure() -> float:
+    def measure() -> tuple[float, float]:
+        host = HostTimed(step)
         if variant == "piecewise-skip-guards":
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return time_decode(step, target, batch, args.prompt, args.steps, device)[0]
-        return time_decode(step, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
+                ms = time_decode(host, target, batch, args.prompt, args.steps, device)[0]
+        else:
+            ms = time_decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
+        return ms, host.median_ms(args.steps)
 
     # this variant's graphs: those its warm-up compiled (``piecewise-skip-guards`` compiles none: the
     # same backend and options as ``piecewise``, so Dynamo serves it ``piecewise``'s cache entries)
@@ -221,7 +250,9 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                     torch._dynamo.reset()
                     with torch.inference_mode(), sdpa_backends(device):
                         first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
-                        row.update(step_ms=round(measure(), 4), first_call_s=round(first_s, 3), **facts())
+                        step_ms, host_ms = measure()
+                        row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4),
+                                   first_call_s=round(first_s, 3), **facts())
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 print(json.dumps(row), flush=True)
@@ -254,22 +285,26 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                     try:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
-                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[])
+                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[])
                     except Exception as exc:  # a failure is a result, not a skip
                         row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 for _ in range(args.rounds):
                     for variant, measure in list(measures.items()):
                         row = batch_rows[variant]
                         try:
-                            row["step_ms_rounds"].append(round(measure(), 4))
+                            step_ms, host_ms = measure()
+                            row["step_ms_rounds"].append(round(step_ms, 4))
+                            row["host_ms_rounds"].append(round(host_ms, 4))
                         except Exception as exc:
                             row.update(error=_error(exc))
                             del measures[variant]
             for variant, row in batch_rows.items():
                 if variant in facts:
                     row.update(facts[variant]())
-                times = row.get("step_ms_rounds")
-                row["step_ms"] = round(statistics.median(times), 4) if times and "error" not in row else None
+                times, host = row.get("step_ms_rounds"), row.get("host_ms_rounds")
+                ok = bool(times) and "error" not in row
+                row["step_ms"] = round(statistics.median(times), 4) if ok else None
+                row["host_ms"] = round(statistics.median(host), 4) if ok else None
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             _save(args)

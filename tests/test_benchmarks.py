@@ -23,6 +23,10 @@ def test_suite_rows_include_failures_as_rows():
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"eager", "piecewise", "limit"}
     assert by_variant["eager"]["step_ms"] > 0 and by_variant["piecewise"]["step_ms"] > 0
+    # on a CPU nothing runs asynchronously: the time to enqueue a step is nearly all of it
+    for variant in ("eager", "piecewise"):
+        row = by_variant[variant]
+        assert 0.5 * row["step_ms"] < row["host_ms"] <= row["step_ms"] * 1.05, row
     assert by_variant["piecewise"]["piecewise"]["compute_pieces"] == 3
     assert by_variant["limit"]["step_ms"] is None and "needs a GPU" in by_variant["limit"]["error"]
     # what first_call_s timed: the piecewise warm-up compiled (or loaded) every piece of its graphs
@@ -43,6 +47,8 @@ def test_interleaved_rounds_time_every_variant_each_round():
     for variant in ("eager", "piecewise"):
         assert len(rows[variant]["step_ms_rounds"]) == 3, rows[variant]
         assert rows[variant]["step_ms"] == round(statistics.median(rows[variant]["step_ms_rounds"]), 4)
+        assert rows[variant]["host_ms"] == round(statistics.median(rows[variant]["host_ms_rounds"]), 4)
+        assert len(rows[variant]["host_ms_rounds"]) == 3
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
