@@ -137,8 +137,8 @@ def stop_pool_recording(device_index: int, pool) -> None:
 
 
 def free_cublas_workspaces() -> None:
-    """Drop cuBLAS's (and cuBLASLt's) cached workspace of every (handle, stream), so that the next
-    matmul on a stream allocates a new one.
+    """Drop cuBLAS's cached workspace of every (handle, stream) (and cuBLASLt's, in the versions that
+    keep one apart), so that the next matmul on a stream allocates a new one.
 
     A captured matmul writes its workspace at the address it had at capture. Left to itself, the
     workspace of our capture stream is allocated by the warm-up, outside the graph pool; then
