@@ -29,7 +29,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 Decode: after a warm-up (compile, a prefill and 4 steps), prefill ``--prompt`` tokens, then
 ``--steps`` steps with the KV length growing each step; CUDA events; median over the second half
 (``first_call_s``: the warm-up's first call, compile included; ``host_ms``: the same median of the
-time each step took to *enqueue*, without waiting for the GPU). ``--rounds N`` (N > 1): per batch, every variant is
+time each step took to *enqueue*, without waiting for the GPU; ``sm_clock_mhz``: the GPU's clock
+read right after). ``--rounds N`` (N > 1): per batch, every variant is
 compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
 so a slow spell of the machine hits all variants alike. A variant that fails is a row with its
 error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
@@ -124,6 +125,25 @@ class HostTimed:
         comes before them), in ms."""
         decode = self.seconds[-steps:]
         return statistics.median(decode[steps // 2:]) * 1e3
+
+
+def sm_clock_mhz(device: str) -> int | None:
+    """The GPU's SM clock now (``nvidia-smi``), read right after a timed run; None without one.
+
+    Why: a one-graph step is bound by the GPU, and the H200's clock follows its load (345 MHz idle,
+    1980 under matmuls on these machines): a variant timed after a stretch of light, host-bound
+    work may run at a lower clock. With the clock in the row, that shows instead of being guessed.
+    """
+    if device != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    target = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", target],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
 
 
 def replay_ms(graph, steps: int, device: str) -> tuple[float, float]:
@@ -252,7 +272,7 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                         first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
                         step_ms, host_ms = measure()
                         row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4),
-                                   first_call_s=round(first_s, 3), **facts())
+                                   sm_clock_mhz=sm_clock_mhz(device), first_call_s=round(first_s, 3), **facts())
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 print(json.dumps(row), flush=True)
@@ -285,7 +305,8 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                     try:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
-                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[])
+                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[],
+                                   sm_clock_mhz_rounds=[])
                     except Exception as exc:  # a failure is a result, not a skip
                         row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 for _ in range(args.rounds):
@@ -295,6 +316,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                             step_ms, host_ms = measure()
                             row["step_ms_rounds"].append(round(step_ms, 4))
                             row["host_ms_rounds"].append(round(host_ms, 4))
+                            row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
                         except Exception as exc:
                             row.update(error=_error(exc))
                             del measures[variant]
