@@ -54,12 +54,11 @@ import torch
 import piecewise_backend
 from piecewise_backend.cudagraphs import synchronize
 from piecewise_backend.timing import time_decode, timed
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, next_tokens, \
-    reset_caches, sdpa_backends
+from piecewise_backend.toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
+    next_tokens, reset_caches, sdpa_backends
 
 MODELS = {
-    "16L": dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816),
-    "28L": dict(vocab=32000, hidden=1536, layers=28, heads=12, intermediate=8960),
+    **BENCHMARK_SIZES,
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",

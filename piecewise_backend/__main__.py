@@ -12,7 +12,7 @@ import torch
 
 from . import compiled_graphs
 from .timing import time_decode
-from .toy_models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches, sdpa_backends
+from .toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches, sdpa_backends
 
 
 def main(argv=None) -> None:
@@ -24,7 +24,7 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    cfg = (ToyConfig(vocab=32000, hidden=1024, layers=args.layers or 16, heads=16, intermediate=2816,
+    cfg = (ToyConfig(**{**BENCHMARK_SIZES["16L"], "layers": args.layers or 16},
                      max_batch=max(args.batches), max_seq=256 + args.steps + 8)
            if cuda else
            ToyConfig(vocab=256, hidden=64, layers=args.layers or 4, heads=4, intermediate=128,

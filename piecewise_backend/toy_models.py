@@ -36,6 +36,14 @@ __all__ = [
 ]
 
 
+# The toy Llamas the benchmarks and the GPU demo time (the sizes): one definition for the
+# suite, the tensor-parallel timing, the demo and the tests that need the same matmul shapes.
+BENCHMARK_SIZES = {
+    "16L": dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816),
+    "28L": dict(vocab=32000, hidden=1536, layers=28, heads=12, intermediate=8960),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ToyConfig:
     vocab: int = 128

@@ -20,8 +20,8 @@ import os
 import torch
 from torch import nn
 
-from .toy_models import LlamaAttention, LlamaLayer, LlamaMLP, ToyConfig, ToyLlama, init_weights_, reset_caches, \
-    sdpa_backends
+from .toy_models import BENCHMARK_SIZES, LlamaAttention, LlamaLayer, LlamaMLP, ToyConfig, ToyLlama, init_weights_, \
+    reset_caches, sdpa_backends
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -131,12 +131,8 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-# The benchmarks' 16-layer toy (benchmarks/suite.py's "16L").
-TIMED_MODEL = dict(vocab=32000, hidden=1024, layers=16, heads=16, intermediate=2816)
-
-
 def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int = 256, steps: int = 64,
-               model: dict = TIMED_MODEL) -> dict:
+               model: dict = BENCHMARK_SIZES["16L"]) -> dict:
     """Decode step time of this rank's bf16 shard of the benchmarks' 16-layer toy (hidden 1024), run
     eagerly and compiled with the piecewise backend, side by side (``timing.time_decode``: median
     over the second half of ``steps``, KV growing from ``prompt``).

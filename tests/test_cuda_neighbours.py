@@ -20,10 +20,10 @@ pytestmark = pytest.mark.cuda
 # batch 1: the shapes that made cuBLAS use its workspace there; two layers keep the compile short.
 CHILD = r"""
 import torch
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
+from piecewise_backend.toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, init_weights_, sdpa_backends
 from tests.helpers import llama_decode
 
-cfg = ToyConfig(vocab=32000, hidden=1024, layers=2, heads=16, intermediate=2816, max_batch=2, max_seq=64)
+cfg = ToyConfig(**{**BENCHMARK_SIZES["16L"], "layers": 2}, max_batch=2, max_seq=64)
 model = init_weights_(ToyLlama(cfg)).to("cuda", torch.bfloat16).eval()
 neighbour = torch.nn.Sequential(torch.nn.Linear(1024, 2816), torch.nn.GELU(), torch.nn.Linear(2816, 1024))
 neighbour = neighbour.to("cuda", torch.bfloat16).eval()
