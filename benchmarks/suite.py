@@ -16,6 +16,8 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
   tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
+* ``piecewise-full-skip-guards``: ``piecewise-full`` decoding the same way: how much of full mode's
+  excess over ``limit`` is Dynamo's guard evaluation.
 * ``piecewise-full``: this backend, ``mode="full"`` with ``graph_attention=True``, on the model
   itself: the decode step is one graph, so this is the same model and work as ``limit``.
 * ``piecewise-full-static``: ``mode="full"`` on the graph-safe twin of the model
@@ -62,8 +64,11 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-static", "limit",
-            "limit-full")
+            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards",
+            "piecewise-full-static", "limit", "limit-full")
+# variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (it compiles none of its
+# own: the same backend and options, so Dynamo serves it that variant's cache entries)
+SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full"}
 
 
 def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
@@ -84,7 +89,13 @@ def model_name(cfg: ToyConfig) -> str:
 
 def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False):
     """The whole Inductor-compiled decode step at one shape and position, captured in one graph:
-    (graph, seconds to compile and warm up)."""
+    (``replay()`` returning the graph's logits, seconds to compile and warm up).
+
+    ``replay.inputs`` holds the graph's inputs: a CUDA graph keeps only their addresses. Before it
+    did, the token ids were freed when this function returned, later allocations reused their memory,
+    and the replays read whatever lay there: at batch 8, ids out of the vocabulary and a device-side
+    assert in the embedding, next to reduce-overhead's models on the H200.
+    """
     if device != "cuda":
         raise RuntimeError("the limit is a CUDA graph: needs a GPU")
     compiled = torch.compile(model, dynamic=False)
@@ -98,8 +109,14 @@ def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = 
     first_call = time.perf_counter() - start
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        compiled(ids, pos)
-    return graph, first_call
+        logits = compiled(ids, pos)
+
+    def replay():
+        graph.replay()
+        return logits
+
+    replay.inputs = (ids, pos)
+    return replay, first_call
 
 
 class HostTimed:
@@ -145,21 +162,22 @@ def sm_clock_mhz(device: str) -> int | None:
         return None
 
 
-def replay_ms(graph, steps: int, device: str) -> tuple[float, float]:
-    """Median over the second half of ``steps`` timed replays: (step ms, host ms)."""
-    replay = HostTimed(graph.replay)
+def replay_ms(replay, steps: int, device: str) -> tuple[float, float]:
+    """Median over the second half of ``steps`` timed calls of ``replay``: (step ms, host ms)."""
+    replay = HostTimed(replay)
     times = [timed(replay, device)[1] for _ in range(steps)]
     return statistics.median(times[steps // 2:]), replay.median_ms(steps)
 
 
 def compiled_variant(variant: str, model):
+    variant = SKIP_GUARDS.get(variant, variant)
     if variant == "inductor":
         return torch.compile(model)
     if variant == "reduce-overhead":
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False})
     if variant == "reduce-overhead+partition":
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
-    if variant in ("piecewise", "piecewise-skip-guards"):
+    if variant == "piecewise":
         return torch.compile(model, backend="piecewise")
     if variant == "piecewise-graph-attention":
         return torch.compile(model, backend="piecewise", options={"graph_attention": True})
@@ -210,9 +228,9 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     compiles_before = inductor_compiles()
     if variant in ("limit", "limit-full"):
         full = variant == "limit-full"
-        graph, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
+        replay, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
         compiles = _since(compiles_before)
-        return first_s, lambda: replay_ms(graph, args.steps, device), lambda: compiles
+        return first_s, lambda: replay_ms(replay, args.steps, device), lambda: compiles
     if variant == "eager":
         step, target = model, model
     else:
@@ -224,15 +242,15 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
 
     def measure() -> tuple[float, float]:
         host = HostTimed(step)
-        if variant == "piecewise-skip-guards":
+        if variant in SKIP_GUARDS:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
                 ms = time_decode(host, target, batch, args.prompt, args.steps, device)[0]
         else:
             ms = time_decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
         return ms, host.median_ms(args.steps)
 
-    # this variant's graphs: those its warm-up compiled (``piecewise-skip-guards`` compiles none: the
-    # same backend and options as ``piecewise``, so Dynamo serves it ``piecewise``'s cache entries)
+    # this variant's graphs: those its warm-up compiled (SKIP_GUARDS' variants: none where Dynamo
+    # serves them their base variant's cache entries)
     mine = [g for g in piecewise_backend.compiled_graphs() if g.serial not in before]
 
     def facts() -> dict:

@@ -54,6 +54,38 @@ def test_interleaved_rounds_time_every_variant_each_round():
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
 
+def test_skip_guards_variant_decodes_its_base_variants_graphs():
+    """``piecewise-full-skip-guards`` must time full mode's own graphs with guards skipped, not
+    compile something else (``piecewise`` default, say) under that name."""
+    args = argparse.Namespace(models=["tiny"], batches=[2], steps=3, prompt=4, rounds=2,
+                              variants=["piecewise-full", "piecewise-full-skip-guards"])
+    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    full, skipping = rows["piecewise-full"], rows["piecewise-full-skip-guards"]
+    assert full["step_ms"] > 0 and skipping["step_ms"] > 0, rows
+    assert "piecewise" in full and "piecewise" not in skipping, "the skip-guards variant compiled graphs of its own"
+    assert skipping["inductor_compiled"] == 0 and skipping["inductor_cache_hits"] == 0, skipping
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the limit is a CUDA graph: needs a GPU")
+def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
+    """The limit's graph reads its token ids by address, so they must live as long as the graph.
+    They did not: freed when ``limit_graph`` returned, their memory went to later allocations, and
+    on the H200 the replays read ids out of the vocabulary (a device-side assert at batch 8)."""
+    from piecewise_backend.toy_models import reset_caches
+
+    model = suite.toy_model("tiny", "cuda")
+    with torch.inference_mode():
+        replay, _ = suite.limit_graph(model, batch=2, prompt=8, device="cuda")
+        junk = [torch.full((2, 1), 3, device="cuda") for _ in range(1024)]  # lands in any freed block of that size
+        logits = replay().clone()
+        ids, pos = replay.inputs
+        assert not torch.equal(ids, junk[0]), "the graph's token ids were overwritten by later allocations"
+        reset_caches(model)  # the limit's own warm-up started from empty caches too
+        expected = model(ids, pos)
+    torch.testing.assert_close(logits.float(), expected.float(), atol=0.1, rtol=0.05)
+
+
 def test_ratios_to_limit_and_table():
     rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
             {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
