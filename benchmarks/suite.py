@@ -272,6 +272,23 @@ def _error(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"[:500]
 
 
+def _mark_process(batch_rows: list[dict], args) -> None:
+    """Say on each row what shared its process, and the limit timed there.
+
+    Why: the same variant measures differently with what else the process holds (the limit
+    itself, one graph and no host work, took 0.98 and 1.08 ms in two processes of one lease), and
+    a device call cannot hold every variant at every batch, so results merge rows of several
+    processes: a ratio is only as good as the knowledge of which rows shared one.
+    """
+    how = "interleaved" if getattr(args, "rounds", 1) > 1 else "one at a time"
+    label = f"{'/'.join(args.models)} b{'/'.join(map(str, args.batches))}, {how}: {', '.join(args.variants)}"
+    limit = next((r.get("step_ms") for r in batch_rows if r["variant"] == "limit"), None)
+    for row in batch_rows:
+        row["process"] = label
+        if limit is not None and row["variant"] != "limit":
+            row["limit_same_process_ms"] = limit
+
+
 def decode_rows(args, device: str, rows: list) -> list[dict]:
     """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured).
     With ``args.rounds`` > 1, :func:`interleaved_rows` instead."""
@@ -281,8 +298,10 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
         model, twin = models_for(key, args, device)
         cfg = model.cfg
         for batch in args.batches:
+            batch_rows = []
             for variant in args.variants:
                 row = {"model": model_name(cfg), "variant": variant, "batch": batch}
+                batch_rows.append(row)
                 try:
                     torch._dynamo.reset()
                     with torch.inference_mode(), sdpa_backends(device):
@@ -292,6 +311,7 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                                    sm_clock_mhz=sm_clock_mhz(device), first_call_s=round(first_s, 3), **facts())
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
+                _mark_process(batch_rows, args)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 _save(args)
@@ -344,6 +364,8 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 ok = bool(times) and "error" not in row
                 row["step_ms"] = round(statistics.median(times), 4) if ok else None
                 row["host_ms"] = round(statistics.median(host), 4) if ok else None
+            _mark_process(list(batch_rows.values()), args)
+            for row in batch_rows.values():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             _save(args)

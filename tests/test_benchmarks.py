@@ -114,6 +114,32 @@ def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
     assert [(r["model"], r["step_ms"], r["code_hash"]) for r in merged] == [("b", 2.0, "h1"), ("a", 1.5, "h1")]
 
 
+def test_notes_about_an_earlier_run_go_when_its_rows_do():
+    result = {"code_hash": "old", "tests_note": "1 failure was ...", "decode_note": "four processes ...",
+              "limit_beside_peers": [{"variant": "limit", "code_hash": "old"}, {"variant": "limit", "code_hash": "new"}]}
+    same = dict(result, code_hash="new")
+    record.drop_stale_notes(same, "new", {"suite"})  # another part of the same run: its note stays
+    assert same["decode_note"] and same["tests_note"] and same["limit_beside_peers"] == [
+        {"variant": "limit", "code_hash": "new"}]
+    record.drop_stale_notes(result, "new", {"suite", "tests"})
+    assert "decode_note" not in result and "tests_note" not in result
+    assert result["limit_beside_peers"] == [{"variant": "limit", "code_hash": "new"}]
+    stale_only = {"code_hash": "old", "limit_beside_peers": [{"code_hash": "old"}]}
+    record.drop_stale_notes(stale_only, "new", {"suite"})
+    assert "limit_beside_peers" not in stale_only
+
+
+def test_rows_say_what_shared_their_process_and_its_limit():
+    args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
+    rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
+    suite._mark_process(rows, args)
+    assert rows[0]["process"] == rows[1]["process"] == "tiny b1/2, interleaved: eager, limit"
+    assert rows[0]["limit_same_process_ms"] == 0.5 and "limit_same_process_ms" not in rows[1]
+    failed_limit = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": None}]
+    suite._mark_process(failed_limit, argparse.Namespace(models=["tiny"], batches=[1], variants=["eager", "limit"]))
+    assert "one at a time" in failed_limit[0]["process"] and "limit_same_process_ms" not in failed_limit[0]
+
+
 def _run_script(args: list, cwd=BENCH) -> str:
     import subprocess
 
