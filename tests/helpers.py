@@ -9,6 +9,13 @@ from piecewise_backend.splitting import split_graph
 from piecewise_backend.toy_models import decode_loop, reset_caches
 
 
+# Options for tests of the split path: decode attention stays an eager piece between the graphs.
+# Those tests count pieces, copies and the attention pieces' code; they pin ``graph_attention``
+# off so that they keep testing that path whatever the default is (``graph_attention`` makes the
+# decode step one graph).
+SPLIT_ATTENTION = {"graph_attention": False}
+
+
 def compile_with_reference(model_cls, cfg, options, device="cpu"):
     """A fresh Dynamo, a toy model compiled with the piecewise backend, and an identical eager copy.
 

@@ -116,7 +116,8 @@ def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
 
 def test_notes_about_an_earlier_run_go_when_its_rows_do():
     result = {"code_hash": "old", "tests_note": "1 failure was ...", "decode_note": "four processes ...",
-              "limit_beside_peers": [{"variant": "limit", "code_hash": "old"}, {"variant": "limit", "code_hash": "new"}]}
+              "limit_beside_peers": [{"variant": "limit", "code_hash": "old"},
+                                     {"variant": "limit", "code_hash": "new"}]}
     same = dict(result, code_hash="new")
     record.drop_stale_notes(same, "new", {"suite"})  # another part of the same run: its note stays
     assert same["decode_note"] and same["tests_note"] and same["limit_beside_peers"] == [

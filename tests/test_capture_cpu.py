@@ -15,8 +15,8 @@ import torch
 from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import Encoder, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, \
-    last_serial
+from .helpers import SPLIT_ATTENTION, Encoder, assert_results_close, compile_with_reference, decode_at_sizes, \
+    graphs_since, last_serial
 
 CFG = ToyConfig(layers=2, max_batch=12)
 SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
@@ -41,7 +41,8 @@ def _main_graph(start):
 
 @pytest.fixture(scope="module")
 def padded_run():
-    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [1, 2, 4, 8], "eager_capture_sizes": [8, 2]})
+    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [1, 2, 4, 8],
+                                                     "eager_capture_sizes": [8, 2]})
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, SIZES)
     return results, _padded_graphs(start)
@@ -94,7 +95,8 @@ def test_inputs_several_pieces_read_are_copied_once_per_step():
     # with the KV writes left eager there are no device step scalars, so the RoPE rows (cos, sin at
     # this step's position) are sliced eagerly, and copied once per step into the buffer every
     # layer's piece reads (staging.py)
-    compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8], "capture_kv_writes": False})
+    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8],
+                                                     "capture_kv_writes": False})
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5, 3)))
     _assert_copies_per_step(_padded_graphs(start), 1 + CFG.layers + 2)

@@ -8,7 +8,7 @@ import torch
 import piecewise_backend
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
 
-from .helpers import assert_close_steps, llama_decode
+from .helpers import SPLIT_ATTENTION, assert_close_steps, llama_decode
 
 pytestmark = pytest.mark.cuda
 CFG = ToyConfig(layers=3, max_batch=8)
@@ -103,7 +103,7 @@ def test_sixteen_layers_capture_per_batch_size():
     torch._dynamo.reset()
     cfg = ToyConfig(layers=16, hidden=64, max_batch=8)
     model = init_weights_(ToyLlama(cfg)).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise")
+    compiled = torch.compile(model, backend="piecewise", options=SPLIT_ATTENTION)
     with torch.no_grad(), sdpa_backends("cuda"):
         for batch in (2, 4, 8, 4):
             assert_close_steps(llama_decode(compiled, model, batch, 4, 5, device="cuda"),

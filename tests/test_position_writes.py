@@ -14,7 +14,7 @@ from piecewise_backend.position_writes import PLACEHOLDER
 from piecewise_backend.splitting import COMPUTE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since
+from .helpers import SPLIT_ATTENTION, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
@@ -89,7 +89,7 @@ def test_a_position_past_the_buffer_is_refused_before_any_write(padded_decode):
 
 
 def test_off_keeps_the_writes_eager():
-    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {"capture_sizes": [2, 4],
+    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {**SPLIT_ATTENTION, "capture_sizes": [2, 4],
                                                                         "capture_kv_writes": False})
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, (3, 2))

@@ -13,7 +13,8 @@ from torch import nn
 from piecewise_backend.splitting import COMPUTE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
+from .helpers import SPLIT_ATTENTION, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, \
+    last_serial
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 LENGTH = 6  # PeekPastTheEnd's cache positions
@@ -27,7 +28,7 @@ def _eager_code(start) -> str:
 
 
 def test_attention_reads_its_cache_prefix_through_as_strided():
-    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {"capture_sizes": [2, 4, 8]})
+    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8]})
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5, 8)))
     code = _eager_code(start)
@@ -64,7 +65,7 @@ def _compile_and_run(model_cls, positions):
     start = last_serial()
     model, reference = model_cls(), model_cls()
     reference.load_state_dict(model.state_dict())
-    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    compiled = torch.compile(model, backend="piecewise", options={**SPLIT_ATTENTION, "capture_sizes": [2, 4]})
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for pos in positions:
