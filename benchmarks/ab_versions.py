@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 
+from plot import limit_times
 from record import code_hash
 
 
@@ -65,7 +66,7 @@ def _one_run(version: pathlib.Path, args, out: pathlib.Path) -> list[dict]:
 
 
 def _with_ratios(rows: list[dict]) -> list[dict]:
-    limits = {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r["step_ms"]}
+    limits = limit_times(rows)
     for r in rows:
         limit = limits.get((r["model"], r["batch"]))
         r["vs_limit"] = r["step_ms"] / limit if limit and r["step_ms"] else None

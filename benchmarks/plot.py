@@ -58,16 +58,21 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
     fig.savefig(png, dpi=120)
 
 
+def limit_times(rows: list[dict]) -> dict[tuple, float]:
+    """The limit's step ms per (model, batch), from the rows that measured it."""
+    return {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+
+
 def ratios_to_limit(rows: list[dict]) -> list[dict]:
     """Each row's step time as a multiple of the limit's (same model and batch)."""
-    limits = {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+    limits = limit_times(rows)
     return [{"model": r["model"], "variant": r["variant"], "batch": r["batch"],
              "vs_limit": round(r["step_ms"] / limits[(r["model"], r["batch"])], 3)}
             for r in rows if r.get("step_ms") and (r["model"], r["batch"]) in limits]
 
 
 def ratio_table(rows: list[dict]) -> str:
-    limits = {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+    limits = limit_times(rows)
     keys = sorted({(r["model"], r["batch"]) for r in rows})
     lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
              "| --- |" + " ---: |" * len(keys)]
