@@ -66,8 +66,9 @@ MODELS = {
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
             "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards",
             "piecewise-full-static", "limit", "limit-full")
-# variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (it compiles none of its
-# own: the same backend and options, so Dynamo serves it that variant's cache entries)
+# variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
+# options: where that variant is in the same process and compiled first, Dynamo serves its cache
+# entries and this one compiles nothing of its own)
 SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full"}
 
 
