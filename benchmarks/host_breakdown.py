@@ -1,6 +1,6 @@
 """Where the *host* time of one piecewise decode step goes, and what single host operations cost.
 
-    python benchmarks/host_breakdown.py [--model 16L --batch 8 --steps 50] [--graph-attention] [--json out.json]
+    python benchmarks/host_breakdown.py [--model 16L --batch 8 --steps 50] [--eager-attention] [--json out.json]
 
 A CUDA-graph backend wins only while the host launches a step faster than the GPU runs it. This
 times, per decode step and without synchronising inside the step: the whole call as the user sees
@@ -85,7 +85,7 @@ def _timed_steps(step, logits, pos: int, steps: int, device: str) -> tuple[list,
 def step_breakdown(args, device: str) -> dict:
     model = toy_model(args.model, device, max_batch=args.batch, max_seq=args.prompt + 2 * args.steps + 16)
     cfg = model.cfg
-    options = {"graph_attention": True} if args.graph_attention else {}
+    options = {"graph_attention": False} if args.eager_attention else {}
     step = torch.compile(model, backend="piecewise", options=options)
     with torch.inference_mode(), sdpa_backends(device):
         reset_caches(model)
@@ -109,7 +109,7 @@ def step_breakdown(args, device: str) -> dict:
     per_step["glue (inside graph - runners - eager)"] = round(
         per_step["inside the compiled graph"] - per_step["runners (incl. replay)"] - per_step["eager pieces"], 1)
     return {"model": args.model, "batch": args.batch, "device": device, "skip_guards": args.skip_guards,
-            "graph_attention": args.graph_attention, "pieces": graph.stats.num_pieces,
+            "graph_attention": not args.eager_attention, "pieces": graph.stats.num_pieces,
             "replays_gpu_ms": replays_gpu_ms,
             "graph_inputs": len(graph._fake_inputs), "us_per_step": per_step}
 
@@ -181,7 +181,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--skip-guards", action="store_true",
                         help="measure under torch.compiler.set_stance(skip_guard_eval_unsafe=True)")
-    parser.add_argument("--graph-attention", action="store_true", help="compile with graph_attention=True")
+    parser.add_argument("--eager-attention", action="store_true",
+                        help="compile with graph_attention=False (decode attention eager between the pieces)")
     parser.add_argument("--json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -13,8 +13,9 @@ import json
 import pathlib
 
 VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-kv-eager", "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full",
-                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full")
+                 "piecewise-eager-attention", "piecewise-kv-eager", "piecewise-graph-attention",
+                 "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards", "piecewise-full-static",
+                 "limit", "limit-full")
 
 
 def _color_index(variant: str, n: int) -> int:

@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variant", default="piecewise",
                         choices=["eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                                 "piecewise-graph-attention", "piecewise-full", "piecewise-full-static"])
+                                 "piecewise-eager-attention", "piecewise-full", "piecewise-full-static"])
     parser.add_argument("--model", default="16L", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)

@@ -8,17 +8,22 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``inductor``: ``torch.compile`` default.
 * ``reduce-overhead``: Inductor + cudagraph trees, ``graph_partition`` off.
 * ``reduce-overhead+partition``: the same with Inductor's ``graph_partition`` on.
-* ``piecewise``: this backend, default options.
-* ``piecewise-kv-eager``: ``piecewise`` with ``capture_kv_writes=False`` (the KV-cache writes run
-  eagerly between replays, as before ``position_writes.py``): what moving them into the graphs gives.
-* ``piecewise-graph-attention``: ``piecewise`` with ``graph_attention=True`` (decode attention read
-  from the cache by a graph-safe kernel: the whole step is one graph).
+* ``piecewise``: this backend, default options: since the switch that followed code hash
+  ``3c7e8e89…``'s run, with ``graph_attention`` (decode attention read from the cache by a
+  graph-safe kernel, the whole step one graph); results measured before the switch name this
+  ``piecewise-graph-attention``.
+* ``piecewise-eager-attention``: ``piecewise`` with ``graph_attention=False``: decode attention runs
+  eagerly (SDPA) between the captured pieces; the default before, named ``piecewise`` in results
+  measured before the switch.
+* ``piecewise-kv-eager``: ``piecewise-eager-attention`` with ``capture_kv_writes=False`` too (the
+  KV-cache writes run eagerly between replays, as before ``position_writes.py``): what moving them
+  into the graphs gives.
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
   tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
 * ``piecewise-full-skip-guards``: ``piecewise-full`` decoding the same way: how much of full mode's
   excess over ``limit`` is Dynamo's guard evaluation.
-* ``piecewise-full``: this backend, ``mode="full"`` with ``graph_attention=True``, on the model
+* ``piecewise-full``: this backend, ``mode="full"`` (with ``graph_attention``), on the model
   itself: the decode step is one graph, so this is the same model and work as ``limit``.
 * ``piecewise-full-static``: ``mode="full"`` on the graph-safe twin of the model
   (:class:`ToyStaticCacheLlama`, same weights: tensor positions, masked attention over the cache);
@@ -64,7 +69,7 @@ MODELS = {
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
 VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-graph-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards",
+            "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards",
             "piecewise-full-static", "limit", "limit-full")
 # variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
 # options: where that variant is in the same process and compiled first, Dynamo serves its cache
@@ -180,14 +185,14 @@ def compiled_variant(variant: str, model):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
     if variant == "piecewise":
         return torch.compile(model, backend="piecewise")
-    if variant == "piecewise-graph-attention":
-        return torch.compile(model, backend="piecewise", options={"graph_attention": True})
+    if variant == "piecewise-eager-attention":
+        return torch.compile(model, backend="piecewise", options={"graph_attention": False})
     if variant == "piecewise-kv-eager":
-        return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False})
+        return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False, "graph_attention": False})
     if variant == "piecewise-full":
-        return torch.compile(model, backend="piecewise", options={"mode": "full", "graph_attention": True})
-    if variant == "piecewise-full-static":
         return torch.compile(model, backend="piecewise", options={"mode": "full"})
+    if variant == "piecewise-full-static":  # its masked attention over the whole cache: nothing to rewrite
+        return torch.compile(model, backend="piecewise", options={"mode": "full", "graph_attention": False})
     raise ValueError(variant)
 
 

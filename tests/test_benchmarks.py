@@ -160,11 +160,11 @@ def test_startup_row_splits_the_time_to_first_output():
     assert row["inductor_graphs"] == 3 and row["backend_s"]["inductor"] > 0, row
 
 
-def test_host_breakdown_runs_with_graph_attention(tmp_path):
+def test_host_breakdown_of_the_default_one_graph_decode_step(tmp_path):
     import json
 
     out = tmp_path / "host.json"
-    _run_script(["host_breakdown.py", "--model", "tiny", "--steps", "5", "--graph-attention", "--json", str(out)])
+    _run_script(["host_breakdown.py", "--model", "tiny", "--steps", "5", "--json", str(out)])
     step = json.loads(out.read_text())["step"]
     assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
     assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0

@@ -22,7 +22,7 @@ from .helpers import assert_close_steps, assert_results_close, compile_with_refe
     graphs_since, llama_decode
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
-OPTIONS = {"capture_sizes": [2, 4, 8], "graph_attention": True}
+OPTIONS = {"capture_sizes": [2, 4, 8]}  # graph_attention is the default: these tests also check that it is
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
