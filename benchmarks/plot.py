@@ -77,7 +77,8 @@ def ratio_table(rows: list[dict]) -> str:
     keys = sorted({(r["model"], r["batch"]) for r in rows})
     lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
              "| --- |" + " ---: |" * len(keys)]
-    for variant in VARIANT_ORDER:
+    measured = {r["variant"] for r in rows}
+    for variant in (v for v in VARIANT_ORDER if v in measured):  # no line of empty cells
         cells = []
         for model, batch in keys:
             row = next((r for r in rows if (r["model"], r["batch"], r["variant"]) == (model, batch, variant)), None)

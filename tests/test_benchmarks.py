@@ -94,6 +94,7 @@ def test_ratios_to_limit_and_table():
                                           {"model": "m", "variant": "piecewise", "batch": 1, "vs_limit": 1.2}]
     table = plot.ratio_table(rows)
     assert "| piecewise | 1.20× |" in table and "| inductor | error |" in table
+    assert "| eager |" not in table  # a variant with no row gets no line
 
 
 def test_figure_is_written(tmp_path):
