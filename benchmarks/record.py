@@ -44,23 +44,30 @@ def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str, old_de
     return kept + new
 
 
+# Rows kept by hand beside a part's own key (a run's extra measurements), per part: filtered to
+# the code hash a new run of that part is recorded at.
+_KEPT_ROWS = {"suite": "limit_beside_peers", "host": "host_breakdown_more"}
+
+
 def drop_stale_notes(result: dict, digest: str, parts: set) -> None:
     """Remove what a person wrote about an earlier run once that run's rows are replaced.
 
-    Why: notes (``tests_note``, ``decode_note``) and the rows kept beside the decode table
-    (``limit_beside_peers``) describe one run; merged into a file whose rows now come from another
-    code hash, they would describe numbers no longer there.
+    Why: notes (``tests_note``, ``decode_note``) and the rows kept beside a part's own key
+    (``limit_beside_peers``, ``host_breakdown_more``) describe one run; merged into a file whose rows
+    now come from another code hash, they would describe numbers no longer there.
     """
     if "tests" in parts:
         result.pop("tests_note", None)
-    if "suite" in parts:
-        if result.get("code_hash") != digest:
-            result.pop("decode_note", None)
-        kept = [r for r in result.get("limit_beside_peers", []) if r.get("code_hash") == digest]
+    if "suite" in parts and result.get("code_hash") != digest:
+        result.pop("decode_note", None)
+    for part, key in _KEPT_ROWS.items():
+        if part not in parts:
+            continue
+        kept = [r for r in result.get(key, []) if r.get("code_hash") == digest]
         if kept:
-            result["limit_beside_peers"] = kept
+            result[key] = kept
         else:
-            result.pop("limit_beside_peers", None)
+            result.pop(key, None)
 
 
 def pytest_summary(junit_path: str) -> dict:
@@ -86,7 +93,8 @@ def main() -> None:
     file_hash = result.get("code_hash")
     if torch.cuda.is_available():  # merging elsewhere must not relabel the device's results
         result.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()})
-    drop_stale_notes(result, digest, {part for part, given in (("tests", args.junit), ("suite", args.suite)) if given})
+    given = (("tests", args.junit), ("suite", args.suite), ("host", args.host))
+    drop_stale_notes(result, digest, {part for part, path in given if path})
     if args.junit:
         result["tests"] = {**pytest_summary(args.junit), "code_hash": digest}
     if args.suite:

@@ -126,9 +126,12 @@ def test_notes_about_an_earlier_run_go_when_its_rows_do():
     record.drop_stale_notes(result, "new", {"suite", "tests"})
     assert "decode_note" not in result and "tests_note" not in result
     assert result["limit_beside_peers"] == [{"variant": "limit", "code_hash": "new"}]
-    stale_only = {"code_hash": "old", "limit_beside_peers": [{"code_hash": "old"}]}
+    stale_only = {"code_hash": "old", "limit_beside_peers": [{"code_hash": "old"}],
+                  "host_breakdown_more": [{"code_hash": "old"}]}
     record.drop_stale_notes(stale_only, "new", {"suite"})
-    assert "limit_beside_peers" not in stale_only
+    assert "limit_beside_peers" not in stale_only and stale_only["host_breakdown_more"]  # not a host part
+    record.drop_stale_notes(stale_only, "new", {"host"})
+    assert "host_breakdown_more" not in stale_only
 
 
 def test_rows_say_what_shared_their_process_and_its_limit():
