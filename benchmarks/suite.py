@@ -47,6 +47,7 @@ error, never a skip. Startup (``--startup``): time from ``torch.compile`` to fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -246,12 +247,12 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
     compiles = _since(compiles_before)
 
+    stance = (lambda: torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)) if variant in SKIP_GUARDS \
+        else contextlib.nullcontext
+
     def measure() -> tuple[float, float]:
         host = HostTimed(step)
-        if variant in SKIP_GUARDS:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                ms = time_decode(host, target, batch, args.prompt, args.steps, device)[0]
-        else:
+        with stance():
             ms = time_decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
         return ms, host.median_ms(args.steps)
 
