@@ -46,14 +46,14 @@ def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str, old_de
 
 # Rows kept by hand beside a part's own key (a run's extra measurements), per part: filtered to
 # the code hash a new run of that part is recorded at.
-_KEPT_ROWS = {"suite": "limit_beside_peers", "host": "host_breakdown_more"}
+_KEPT_ROWS = {"suite": "peer_process_rows", "host": "host_breakdown_more"}
 
 
 def drop_stale_notes(result: dict, digest: str, parts: set) -> None:
     """Remove what a person wrote about an earlier run once that run's rows are replaced.
 
     Why: notes (``tests_note``, ``decode_note``) and the rows kept beside a part's own key
-    (``limit_beside_peers``, ``host_breakdown_more``) describe one run; merged into a file whose rows
+    (``peer_process_rows``, ``host_breakdown_more``) describe one run; merged into a file whose rows
     now come from another code hash, they would describe numbers no longer there.
     """
     if "tests" in parts:

@@ -97,6 +97,14 @@ def test_ratios_to_limit_and_table():
     assert "| eager |" not in table  # a variant with no row gets no line
 
 
+def test_ratio_uses_the_limit_of_the_rows_own_process():
+    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5, "limit_same_process_ms": 0.5},
+            {"model": "m", "variant": "eager", "batch": 1, "step_ms": 6.0, "limit_same_process_ms": 0.6},
+            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6}]
+    assert [r["vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 10.0, 1.2]
+    assert "| eager | 10.00× |" in plot.ratio_table(rows)
+
+
 def test_figure_is_written(tmp_path):
     pytest.importorskip("matplotlib")
     rows = [{"model": "m", "variant": v, "batch": b, "step_ms": ms}
@@ -117,19 +125,19 @@ def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
 
 def test_notes_about_an_earlier_run_go_when_its_rows_do():
     result = {"code_hash": "old", "tests_note": "1 failure was ...", "decode_note": "four processes ...",
-              "limit_beside_peers": [{"variant": "limit", "code_hash": "old"},
+              "peer_process_rows": [{"variant": "limit", "code_hash": "old"},
                                      {"variant": "limit", "code_hash": "new"}]}
     same = dict(result, code_hash="new")
     record.drop_stale_notes(same, "new", {"suite"})  # another part of the same run: its note stays
-    assert same["decode_note"] and same["tests_note"] and same["limit_beside_peers"] == [
+    assert same["decode_note"] and same["tests_note"] and same["peer_process_rows"] == [
         {"variant": "limit", "code_hash": "new"}]
     record.drop_stale_notes(result, "new", {"suite", "tests"})
     assert "decode_note" not in result and "tests_note" not in result
-    assert result["limit_beside_peers"] == [{"variant": "limit", "code_hash": "new"}]
-    stale_only = {"code_hash": "old", "limit_beside_peers": [{"code_hash": "old"}],
+    assert result["peer_process_rows"] == [{"variant": "limit", "code_hash": "new"}]
+    stale_only = {"code_hash": "old", "peer_process_rows": [{"code_hash": "old"}],
                   "host_breakdown_more": [{"code_hash": "old"}]}
     record.drop_stale_notes(stale_only, "new", {"suite"})
-    assert "limit_beside_peers" not in stale_only and stale_only["host_breakdown_more"]  # not a host part
+    assert "peer_process_rows" not in stale_only and stale_only["host_breakdown_more"]  # not a host part
     record.drop_stale_notes(stale_only, "new", {"host"})
     assert "host_breakdown_more" not in stale_only
 
