@@ -59,47 +59,59 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-def limit_times(rows: list[dict]) -> dict[tuple, float]:
-    """The limit's step ms per (model, batch), from the rows that measured it."""
-    return {(r["model"], r["batch"]): r["step_ms"] for r in rows if r["variant"] == "limit" and r.get("step_ms")}
+# a row's time field -> the field naming the limit's time in the row's own process (suite._mark_process)
+SAME_PROCESS_LIMIT = {"step_ms": "limit_same_process_ms", "pipelined_ms": "limit_same_process_pipelined_ms"}
 
 
-def vs_limit(row: dict, limits: dict[tuple, float]) -> float | None:
-    """``row``'s step time as a multiple of the limit's, or None without both times.
+def limit_times(rows: list[dict], field: str = "step_ms") -> dict[tuple, float]:
+    """The limit's ``field`` per (model, batch), from the rows that measured it."""
+    return {(r["model"], r["batch"]): r[field] for r in rows if r["variant"] == "limit" and r.get(field)}
+
+
+def vs_limit(row: dict, limits: dict[tuple, float], field: str = "step_ms") -> float | None:
+    """``row``'s ``field`` (a step time) as a multiple of the limit's, or None without both times.
 
     The limit of the row's own process (``limit_same_process_ms``) where the row has it, else the
     limit row of its model and batch. Why: a suite split over several device calls has a limit in
     each process, and they differ by up to 10% at batch 1 (0.98 and 1.08 ms in the 2026-11-29 run);
     a ratio across processes would carry that difference."""
-    limit = row.get("limit_same_process_ms") or limits.get((row["model"], row["batch"]))
-    return row["step_ms"] / limit if row.get("step_ms") and limit else None
+    limit = row.get(SAME_PROCESS_LIMIT[field]) or limits.get((row["model"], row["batch"]))
+    return row[field] / limit if row.get(field) and limit else None
 
 
 def ratios_to_limit(rows: list[dict]) -> list[dict]:
-    """Each row's step time as a multiple of the limit's (same model and batch; same process where known)."""
-    limits = limit_times(rows)
-    return [{"model": r["model"], "variant": r["variant"], "batch": r["batch"], "vs_limit": round(ratio, 3)}
-            for r in rows if (ratio := vs_limit(r, limits)) is not None]
+    """Each row's step time as a multiple of the limit's (same model and batch; same process where
+    known), and its pipelined time's (``pipelined_vs_limit``) where both were measured."""
+    limits = {field: limit_times(rows, field) for field in SAME_PROCESS_LIMIT}
+    ratios = []
+    for r in rows:
+        ratio, pipelined = vs_limit(r, limits["step_ms"]), vs_limit(r, limits["pipelined_ms"], "pipelined_ms")
+        if ratio is not None:
+            ratios.append({"model": r["model"], "variant": r["variant"], "batch": r["batch"],
+                           "vs_limit": round(ratio, 3),
+                           **({"pipelined_vs_limit": round(pipelined, 3)} if pipelined is not None else {})})
+    return ratios
 
 
-def ratio_table(rows: list[dict]) -> str:
-    limits = limit_times(rows)
+def ratio_table(rows: list[dict], field: str = "step_ms") -> str:
+    """Markdown: per variant and (model, batch), ``field`` as a multiple of the limit's."""
+    limits = limit_times(rows, field)
     keys = sorted({(r["model"], r["batch"]) for r in rows})
     lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
              "| --- |" + " ---: |" * len(keys)]
-    measured = {r["variant"] for r in rows}
+    measured = {r["variant"] for r in rows if r.get(field) or r.get("error")}
     for variant in (v for v in VARIANT_ORDER if v in measured):  # no line of empty cells
         cells = []
         for model, batch in keys:
             row = next((r for r in rows if (r["model"], r["batch"], r["variant"]) == (model, batch, variant)), None)
             if row is None:
                 cells.append("")
-            elif not row.get("step_ms"):
-                cells.append("error")
-            elif (ratio := vs_limit(row, limits)) is not None:
+            elif not row.get(field):
+                cells.append("error" if row.get("error") or row.get("pipelined_error") else "")
+            elif (ratio := vs_limit(row, limits, field)) is not None:
                 cells.append(f"{ratio:.2f}×")
             else:
-                cells.append(f"{row['step_ms']:.2f} ms")
+                cells.append(f"{row[field]:.2f} ms")
         lines.append(f"| {variant} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -113,6 +125,9 @@ def main() -> None:
     if args.png:
         plot(rows, pathlib.Path(args.png))
     print(ratio_table(rows))
+    if any(r.get("pipelined_ms") for r in rows):
+        print("\npipelined (the host free to run ahead):")
+        print(ratio_table(rows, "pipelined_ms"))
 
 
 if __name__ == "__main__":

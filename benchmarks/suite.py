@@ -39,7 +39,16 @@ Decode: after a warm-up (compile, a prefill and 4 steps), prefill ``--prompt`` t
 time each step took to *enqueue*, without waiting for the GPU; ``sm_clock_mhz``: the GPU's clock
 read right after). ``--rounds N`` (N > 1): per batch, every variant is
 compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
-so a slow spell of the machine hits all variants alike. A variant that fails is a row with its
+so a slow spell of the machine hits all variants alike.
+
+Two views of a step. ``step_ms`` waits for each step before starting the next (a server that reads
+every token on the host before the next step), so host work before a replay adds to the step.
+``pipelined_ms`` lets the host run ahead (a server that samples on the GPU and reads tokens later):
+CUDA events around each step and one wait at the end, so a step costs what the GPU spends on it,
+host time counting only where it leaves the GPU waiting. Every variant is timed both ways in the
+same process; the pipelined runs come after all the waiting ones (per batch, after the last round),
+so they do not change what the waiting runs meet. Reduce-overhead's pipelined runs therefore
+replay KV lengths it has already recorded; its waiting runs meet new ones in round 1. A variant that fails is a row with its
 error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
 (empty Inductor cache) and warm (second process, same cache), for ``inductor`` and ``piecewise``.
 """
@@ -150,6 +159,57 @@ class HostTimed:
         return statistics.median(decode[steps // 2:]) * 1e3
 
 
+class GpuTimed:
+    """``step`` with CUDA events recorded around each call, and no wait for the GPU until asked.
+
+    Why: ``timing.time_decode`` waits for every step, as a server that reads each token on the host
+    does, so the host work before a replay (Dynamo's entry, the backend's checks) lands on the step
+    in full. With the host free to run ahead, that work overlaps the previous step's GPU time and
+    a step costs what the GPU spends from its start to its end, host time counting only where the
+    GPU waits for a launch. On a CPU everything runs as it is called: wall-clock per call.
+    """
+
+    def __init__(self, step, device: str):
+        self.step, self.device, self.marks = step, device, []
+
+    def __call__(self, *args):
+        if self.device != "cuda":
+            start = time.perf_counter()
+            out = self.step(*args)
+            self.marks.append((start, time.perf_counter()))
+            return out
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = self.step(*args)
+        end.record()
+        self.marks.append((begin, end))
+        return out
+
+    def median_ms(self, steps: int) -> float:
+        """Waits for the GPU once, then: the median over the second half of the last ``steps`` calls."""
+        synchronize(self.device)
+        marks = self.marks[-steps:][steps // 2:]
+        if self.device != "cuda":
+            return statistics.median(end - begin for begin, end in marks) * 1e3
+        return statistics.median(begin.elapsed_time(end) for begin, end in marks)
+
+
+def pipelined_decode_ms(step, model, batch: int, prompt: int, steps: int, device: str,
+                        tensor_pos: bool = False) -> float:
+    """``time_decode``'s decode (prefill ``prompt`` tokens, ``steps`` greedy steps, KV growing) without
+    waiting for the GPU between steps: the median GPU ms per step over the second half."""
+    reset_caches(model)
+
+    def where(p, n):
+        return torch.arange(p, p + n, device=device) if tensor_pos else p
+
+    timed_step = GpuTimed(step, device)
+    logits = step(torch.randint(0, model.cfg.vocab, (batch, prompt), device=device), where(0, prompt))
+    for pos in range(prompt, prompt + steps):
+        logits = timed_step(next_tokens(logits, batch > 1), where(pos, 1))
+    return timed_step.median_ms(steps)
+
+
 def sm_clock_mhz(device: str) -> int | None:
     """The GPU's SM clock now (``nvidia-smi``), read right after a timed run; None without one.
 
@@ -169,9 +229,15 @@ def sm_clock_mhz(device: str) -> int | None:
         return None
 
 
-def replay_ms(replay, steps: int, device: str) -> tuple[float, float]:
-    """Median over the second half of ``steps`` timed calls of ``replay``: (step ms, host ms)."""
+def replay_ms(replay, steps: int, device: str, pipelined: bool = False) -> tuple[float, float]:
+    """Median over the second half of ``steps`` timed calls of ``replay``: (step ms, host ms);
+    ``pipelined``: without waiting for the GPU between calls (:class:`GpuTimed`)."""
     replay = HostTimed(replay)
+    if pipelined:
+        gpu_timed = GpuTimed(replay, device)
+        for _ in range(steps):
+            gpu_timed()
+        return gpu_timed.median_ms(steps), replay.median_ms(steps)
     times = [timed(replay, device)[1] for _ in range(steps)]
     return statistics.median(times[steps // 2:]), replay.median_ms(steps)
 
@@ -228,7 +294,7 @@ def _since(before: dict) -> dict:
 
 def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     """Compile and warm up ``variant`` at ``batch`` (a short decode, or the limit's capture):
-    (first call seconds, ``measure()`` giving one decode run's median step ms and host ms,
+    (first call seconds, ``measure(pipelined=False)`` giving one decode run's median step ms and host ms,
     ``facts()`` giving the row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
     resets before each variant, the interleaved one before each batch."""
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
@@ -237,7 +303,7 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
         full = variant == "limit-full"
         replay, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
         compiles = _since(compiles_before)
-        return first_s, lambda: replay_ms(replay, args.steps, device), lambda: compiles
+        return first_s, lambda pipelined=False: replay_ms(replay, args.steps, device, pipelined), lambda: compiles
     if variant == "eager":
         step, target = model, model
     else:
@@ -250,10 +316,11 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     stance = (lambda: torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)) if variant in SKIP_GUARDS \
         else contextlib.nullcontext
 
-    def measure() -> tuple[float, float]:
+    def measure(pipelined: bool = False) -> tuple[float, float]:
         host = HostTimed(step)
+        decode = pipelined_decode_ms if pipelined else lambda *a, **k: time_decode(*a, **k)[0]
         with stance():
-            ms = time_decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)[0]
+            ms = decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)
         return ms, host.median_ms(args.steps)
 
     # this variant's graphs: those its warm-up compiled (SKIP_GUARDS' variants: none where Dynamo
@@ -289,11 +356,24 @@ def _mark_process(batch_rows: list[dict], args) -> None:
     """
     how = "interleaved" if getattr(args, "rounds", 1) > 1 else "one at a time"
     label = f"{'/'.join(args.models)} b{'/'.join(map(str, args.batches))}, {how}: {', '.join(args.variants)}"
-    limit = next((r.get("step_ms") for r in batch_rows if r["variant"] == "limit"), None)
+    limit = next((r for r in batch_rows if r["variant"] == "limit"), {})
     for row in batch_rows:
         row["process"] = label
-        if limit is not None and row["variant"] != "limit":
-            row["limit_same_process_ms"] = limit
+        if row["variant"] == "limit":
+            continue
+        for field, same in (("step_ms", "limit_same_process_ms"), ("pipelined_ms", "limit_same_process_pipelined_ms")):
+            if limit.get(field) is not None:
+                row[same] = limit[field]
+
+
+def _pipelined_ms(row: dict, measure) -> float | None:
+    """One pipelined run's median step ms, or None with the failure in ``row["pipelined_error"]``:
+    kept apart, so that it does not take the row's waiting times with it."""
+    try:
+        return round(measure(pipelined=True)[0], 4)
+    except Exception as exc:
+        row["pipelined_error"] = _error(exc)
+        return None
 
 
 def decode_rows(args, device: str, rows: list) -> list[dict]:
@@ -314,8 +394,10 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                     with torch.inference_mode(), sdpa_backends(device):
                         first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
                         step_ms, host_ms = measure()
-                        row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4),
-                                   sm_clock_mhz=sm_clock_mhz(device), first_call_s=round(first_s, 3), **facts())
+                        clock = sm_clock_mhz(device)
+                        row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4), sm_clock_mhz=clock,
+                                   first_call_s=round(first_s, 3), **facts())
+                        row["pipelined_ms"] = _pipelined_ms(row, measure)
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 _mark_process(batch_rows, args)
@@ -350,7 +432,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
                         row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[],
-                                   sm_clock_mhz_rounds=[])
+                                   sm_clock_mhz_rounds=[], pipelined_ms_rounds=[])
                     except Exception as exc:  # a failure is a result, not a skip
                         row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 for _ in range(args.rounds):
@@ -364,6 +446,11 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                         except Exception as exc:
                             row.update(error=_error(exc))
                             del measures[variant]
+                for _ in range(args.rounds):  # after every waiting round: see the module's docstring
+                    for variant, measure in list(measures.items()):
+                        row = batch_rows[variant]
+                        if "pipelined_error" not in row and (ms := _pipelined_ms(row, measure)) is not None:
+                            row["pipelined_ms_rounds"].append(ms)
             for variant, row in batch_rows.items():
                 if variant in facts:
                     row.update(facts[variant]())
@@ -371,6 +458,9 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 ok = bool(times) and "error" not in row
                 row["step_ms"] = round(statistics.median(times), 4) if ok else None
                 row["host_ms"] = round(statistics.median(host), 4) if ok else None
+                pipelined = row.get("pipelined_ms_rounds")
+                row["pipelined_ms"] = round(statistics.median(pipelined), 4) \
+                    if ok and pipelined and "pipelined_error" not in row else None
             _mark_process(list(batch_rows.values()), args)
             for row in batch_rows.values():
                 print(json.dumps(row), flush=True)

@@ -28,8 +28,10 @@ def test_suite_rows_include_failures_as_rows():
         row = by_variant[variant]
         assert 0.5 * row["step_ms"] < row["host_ms"] <= row["step_ms"] * 1.05, row
         assert row["sm_clock_mhz"] is None  # no GPU clock to read
+        assert row["pipelined_ms"] > 0 and "pipelined_error" not in row, row
     assert by_variant["piecewise"]["piecewise"]["compute_pieces"] == 3
     assert by_variant["limit"]["step_ms"] is None and "needs a GPU" in by_variant["limit"]["error"]
+    assert "pipelined_ms" not in by_variant["limit"]
     # what first_call_s timed: the piecewise warm-up compiled (or loaded) every piece of its graphs
     # (prefill and decode), eager nothing
     piecewise = by_variant["piecewise"]
@@ -50,8 +52,44 @@ def test_interleaved_rounds_time_every_variant_each_round():
         assert rows[variant]["step_ms"] == round(statistics.median(rows[variant]["step_ms_rounds"]), 4)
         assert rows[variant]["host_ms"] == round(statistics.median(rows[variant]["host_ms_rounds"]), 4)
         assert len(rows[variant]["host_ms_rounds"]) == 3
+        assert len(rows[variant]["pipelined_ms_rounds"]) == 3, rows[variant]
+        assert rows[variant]["pipelined_ms"] == round(statistics.median(rows[variant]["pipelined_ms_rounds"]), 4)
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
+
+
+def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
+    """Same prefill, same positions, the same greedy tokens fed back: only the waiting differs."""
+    from piecewise_backend.timing import time_decode
+
+    model = suite.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
+    runs = []
+    for decode in (lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0], lambda step: suite.pipelined_decode_ms(
+            step, model, 2, 4, 5, "cpu")):
+        calls = []
+
+        def step(ids, pos):
+            calls.append((ids.clone(), pos))
+            return model(ids, pos)
+        torch.manual_seed(0)
+        with torch.inference_mode():
+            assert decode(step) > 0
+        runs.append(calls)
+    waiting, pipelined = runs
+    assert [pos for _, pos in pipelined] == [0, 4, 5, 6, 7, 8] == [pos for _, pos in waiting]
+    for (a, _), (b, _) in zip(waiting, pipelined):
+        assert torch.equal(a, b)
+
+
+def test_a_failed_pipelined_run_keeps_the_rows_waiting_times():
+    def measure(pipelined=False):
+        if pipelined:
+            raise RuntimeError("boom")
+        return 1.0, 0.5
+
+    row = {"step_ms": 1.0}
+    assert suite._pipelined_ms(row, measure) is None
+    assert row["step_ms"] == 1.0 and "RuntimeError: boom" in row["pipelined_error"]
 
 
 def test_skip_guards_variant_decodes_its_base_variants_graphs():
@@ -103,6 +141,11 @@ def test_ratio_uses_the_limit_of_the_rows_own_process():
             {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6}]
     assert [r["vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 10.0, 1.2]
     assert "| eager | 10.00× |" in plot.ratio_table(rows)
+    for row, pipelined in zip(rows, (0.4, 4.0, 0.5)):
+        row["pipelined_ms"] = pipelined
+    rows[1]["limit_same_process_pipelined_ms"] = 0.5
+    assert [r["pipelined_vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 8.0, 1.25]
+    assert "| eager | 8.00× |" in plot.ratio_table(rows, "pipelined_ms")
 
 
 def test_figure_is_written(tmp_path):
@@ -208,3 +251,13 @@ def test_ab_versions_runs_each_versions_own_suite(tmp_path):
     assert result["versions"]["A"]["code_hash"] == record.code_hash(root)
     (row,) = result["summary"]
     assert row["variant"] == "piecewise" and row["A_step_ms"] > 0 and row["B_over_A"] is not None, row
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
+def test_gpu_timed_records_events_and_waits_only_when_asked():
+    timed = suite.GpuTimed(lambda: torch.ones(1024, device="cuda").mul_(2), "cuda")
+    outs = [timed() for _ in range(6)]
+    assert len(timed.marks) == 6 and all(isinstance(m, torch.cuda.Event) for pair in timed.marks for m in pair)
+    assert timed.median_ms(6) > 0  # elapsed_time raises on an event that has not completed: the wait worked
+    assert all(float(o[0]) == 2.0 for o in outs)
