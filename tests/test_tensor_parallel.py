@@ -61,8 +61,13 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
         result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
                               for f in p.failures]
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+        # Neither rank tears gloo down while the other may still be finishing a collective: once, in
+        # the whole CPU suite, rank 0 died of SIGABRT ("terminate called without an active
+        # exception") on its way out. Only on success: a rank that raised must not wait here.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    (out_dir / f"rank{rank}.exited").write_text("destroy_process_group returned")
 
 
 def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600) -> list[dict]:
@@ -72,11 +77,16 @@ def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_
         pytest.skip("torch.distributed with gloo is not available")
     context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at), nprocs=WORLD, join=False)
     deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=5):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the two ranks did not finish in {timeout_s} s (collectives out of step?)")
+    try:
+        while not context.join(timeout=5):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the two ranks did not finish in {timeout_s} s (collectives out of step?)")
+    except mp.ProcessExitedException as exc:  # say how far each rank got: computing, or tearing down
+        reached = {r: [p.suffix for p in sorted(out_dir.glob(f"rank{r}.*"))] for r in range(WORLD)}
+        raise AssertionError(f"{exc}; files each rank wrote (.json: results, .exited: after "
+                             f"destroy_process_group): {reached}") from exc
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
