@@ -59,7 +59,8 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
     fig.savefig(png, dpi=120)
 
 
-# a row's time field -> the field naming the limit's time in the row's own process (suite._mark_process)
+# a row's time field -> the field naming the limit's time in the row's own process (written by
+# suite._mark_process, read by vs_limit)
 SAME_PROCESS_LIMIT = {"step_ms": "limit_same_process_ms", "pipelined_ms": "limit_same_process_pipelined_ms"}
 
 

@@ -73,6 +73,7 @@ from piecewise_backend.cudagraphs import synchronize
 from piecewise_backend.timing import time_decode, timed
 from piecewise_backend.toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
+from plot import SAME_PROCESS_LIMIT
 
 MODELS = {
     **BENCHMARK_SIZES,
@@ -135,6 +136,12 @@ def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = 
     return replay, first_call
 
 
+def second_half(values: list, steps: int) -> list:
+    """The second half of the last ``steps`` values: the decode steps past warm-up (a prefill, when
+    there was one, comes before them)."""
+    return values[-steps:][steps // 2:]
+
+
 class HostTimed:
     """``step`` with the host time of each call kept: the time to *enqueue* it (no sync).
 
@@ -153,10 +160,8 @@ class HostTimed:
         return out
 
     def median_ms(self, steps: int) -> float:
-        """Median over the second half of the last ``steps`` calls (the decode steps: the prefill
-        comes before them), in ms."""
-        decode = self.seconds[-steps:]
-        return statistics.median(decode[steps // 2:]) * 1e3
+        """Median over :func:`second_half` of the calls, in ms."""
+        return statistics.median(second_half(self.seconds, steps)) * 1e3
 
 
 class GpuTimed:
@@ -171,13 +176,11 @@ class GpuTimed:
 
     def __init__(self, step, device: str):
         self.step, self.device, self.marks = step, device, []
+        self._wall = HostTimed(step) if device != "cuda" else None  # a CPU's step ends when its call does
 
     def __call__(self, *args):
-        if self.device != "cuda":
-            start = time.perf_counter()
-            out = self.step(*args)
-            self.marks.append((start, time.perf_counter()))
-            return out
+        if self._wall is not None:
+            return self._wall(*args)
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         begin.record()
         out = self.step(*args)
@@ -186,12 +189,11 @@ class GpuTimed:
         return out
 
     def median_ms(self, steps: int) -> float:
-        """Waits for the GPU once, then: the median over the second half of the last ``steps`` calls."""
+        """Waits for the GPU once, then: the median over :func:`second_half` of the calls."""
+        if self._wall is not None:
+            return self._wall.median_ms(steps)
         synchronize(self.device)
-        marks = self.marks[-steps:][steps // 2:]
-        if self.device != "cuda":
-            return statistics.median(end - begin for begin, end in marks) * 1e3
-        return statistics.median(begin.elapsed_time(end) for begin, end in marks)
+        return statistics.median(begin.elapsed_time(end) for begin, end in second_half(self.marks, steps))
 
 
 def pipelined_decode_ms(step, model, batch: int, prompt: int, steps: int, device: str,
@@ -239,7 +241,7 @@ def replay_ms(replay, steps: int, device: str, pipelined: bool = False) -> tuple
             gpu_timed()
         return gpu_timed.median_ms(steps), replay.median_ms(steps)
     times = [timed(replay, device)[1] for _ in range(steps)]
-    return statistics.median(times[steps // 2:]), replay.median_ms(steps)
+    return statistics.median(second_half(times, steps)), replay.median_ms(steps)
 
 
 def compiled_variant(variant: str, model):
@@ -361,7 +363,7 @@ def _mark_process(batch_rows: list[dict], args) -> None:
         row["process"] = label
         if row["variant"] == "limit":
             continue
-        for field, same in (("step_ms", "limit_same_process_ms"), ("pipelined_ms", "limit_same_process_pipelined_ms")):
+        for field, same in SAME_PROCESS_LIMIT.items():
             if limit.get(field) is not None:
                 row[same] = limit[field]
 
