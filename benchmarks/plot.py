@@ -1,4 +1,5 @@
-"""Figure and ratio table of a suite run: step time vs batch, one line per variant, log scale.
+"""Figure and ratio table of a suite run: step time vs batch, one line per variant, log scale
+(and the pipelined view below it, where rows have it).
 
     python benchmarks/plot.py benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
 
@@ -24,34 +25,45 @@ def _color_index(variant: str, n: int) -> int:
     return i % n + i // n
 
 
+# the two views of a step, as the figure's rows of panels name them
+VIEW_TITLES = {"step_ms": "waiting for each step", "pipelined_ms": "host running ahead"}
+
+
 def plot(rows: list[dict], png: pathlib.Path) -> None:
+    """One panel per model and view: ``step_ms`` always, ``pipelined_ms`` as a second row of
+    panels where rows have it. Why both: waiting for every step shows host latency on top of the
+    graph, running ahead shows what the GPU spends, and the two rank the variants differently
+    (reduce-overhead, recording new lengths, is 10x the limit in one and at it in the other)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = sorted({r["model"] for r in rows})
-    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models) + 2, 4.5), squeeze=False)
+    views = [f for f in VIEW_TITLES if any(r.get(f) for r in rows)]
+    fig, axes = plt.subplots(len(views), len(models), figsize=(6 * len(models) + 2, 4.5 * len(views)),
+                             squeeze=False, sharey="col")  # one scale per model: views compare by eye
     colors = plt.get_cmap("tab20").colors  # one colour per variant in every panel
     legend: dict = {}
-    for ax, model in zip(axes[0], models):
-        for variant in VARIANT_ORDER:
-            points = sorted((r["batch"], r["step_ms"]) for r in rows
-                            if r["model"] == model and r["variant"] == variant and r.get("step_ms"))
-            if points:
-                (line,) = ax.plot(*zip(*points), marker="o", label=variant,
-                                  color=colors[_color_index(variant, len(colors))],
-                                  linewidth=2.5 if variant.startswith("piecewise") else 1.2,
-                                  linestyle="--" if variant.startswith("limit") else "-")
-                legend.setdefault(variant, line)
-        ax.set_xscale("log", base=2)
-        batches = sorted({r["batch"] for r in rows if r["model"] == model})
-        ax.set_xticks(batches, [str(b) for b in batches])
-        ax.set_yscale("log")
-        ax.set_xlabel("batch")
-        ax.set_ylabel("decode step, ms (median)")
-        ax.set_title(model)
-        ax.grid(True, which="both", alpha=0.3)
+    for axes_row, field in zip(axes, views):
+        for ax, model in zip(axes_row, models):
+            for variant in VARIANT_ORDER:
+                points = sorted((r["batch"], r[field]) for r in rows
+                                if r["model"] == model and r["variant"] == variant and r.get(field))
+                if points:
+                    (line,) = ax.plot(*zip(*points), marker="o", label=variant,
+                                      color=colors[_color_index(variant, len(colors))],
+                                      linewidth=2.5 if variant.startswith("piecewise") else 1.2,
+                                      linestyle="--" if variant.startswith("limit") else "-")
+                    legend.setdefault(variant, line)
+            ax.set_xscale("log", base=2)
+            batches = sorted({r["batch"] for r in rows if r["model"] == model})
+            ax.set_xticks(batches, [str(b) for b in batches])
+            ax.set_yscale("log")
+            ax.set_xlabel("batch")
+            ax.set_ylabel("decode step, ms (median)")
+            ax.set_title(f"{model}: {VIEW_TITLES[field]}")
+            ax.grid(True, which="both", alpha=0.3)
     ordered = [v for v in VARIANT_ORDER if v in legend]  # every variant of every panel, in one legend
     axes[0][-1].legend([legend[v] for v in ordered], ordered, fontsize=8, loc="center left",
                        bbox_to_anchor=(1.02, 0.5))
