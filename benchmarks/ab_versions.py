@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from plot import limit_times
+from plot import limit_times, vs_limit
 from record import code_hash
 
 
@@ -68,8 +68,7 @@ def _one_run(version: pathlib.Path, args, out: pathlib.Path) -> list[dict]:
 def _with_ratios(rows: list[dict]) -> list[dict]:
     limits = limit_times(rows)
     for r in rows:
-        limit = limits.get((r["model"], r["batch"]))
-        r["vs_limit"] = r["step_ms"] / limit if limit and r["step_ms"] else None
+        r["vs_limit"] = vs_limit(r, limits)
     return rows
 
 
