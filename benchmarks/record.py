@@ -1,7 +1,8 @@
 """Merge a device run into benchmarks/results/h200.json, stamped with the code hash.
 
     python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
-                                [--host host.json] [--ab ab.json] --out h200.json
+                                [--host host.json] [--ab ab.json] [--fuzz fuzz.json]
+                                [--moved-weights moved_weights.json] --out h200.json
 
 Each part replaces only the keys it produces, so a run split over several device calls accumulates
 in one file.
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--suite")
     parser.add_argument("--host", help="host_breakdown.py's JSON")
     parser.add_argument("--ab", help="ab_kv_writes.py's JSON")
+    parser.add_argument("--fuzz", help="the GPU fuzz run's JSON (python -m tests.fuzz)")
+    parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -112,6 +115,10 @@ def main() -> None:
         result["host_breakdown"] = {**json.loads(pathlib.Path(args.host).read_text()), "code_hash": digest}
     if args.ab:
         result["ab_kv_writes"] = {**json.loads(pathlib.Path(args.ab).read_text()), "code_hash": digest}
+    if args.fuzz:
+        result["fuzz"] = {**json.loads(pathlib.Path(args.fuzz).read_text()), "code_hash": digest}
+    if args.moved_weights:
+        result["moved_weights"] = {**json.loads(pathlib.Path(args.moved_weights).read_text()), "code_hash": digest}
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())
         for key in ("capture", "memory"):

@@ -7,6 +7,8 @@
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
+#   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
+#   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
 #                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
 #
@@ -49,7 +51,13 @@ case "$part" in
       | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
+  fuzz)
+    python -m tests.fuzz --out "$OUT/fuzz.json" "$@" 2>&1 | tee "$OUT/fuzz.log" | grep -v Warning | tail -30
+    record --fuzz "$OUT/fuzz.json" ;;
+  weights)
+    python benchmarks/moved_weights.py --out "$OUT/moved_weights.json" "$@" 2>&1 | tail -3
+    record --moved-weights "$OUT/moved_weights.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, capture, host, suite or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights or ab" >&2; exit 2 ;;
 esac

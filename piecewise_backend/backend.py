@@ -23,19 +23,21 @@ import torch.fx
 
 from . import _torch_internals
 from . import graph_facts as facts
-from .capture_policy import OVER_BUDGET, CapturePolicy, Plan
+from .capture_policy import OVER_BUDGET, WEIGHTS_MOVED, CapturePolicy, Plan
 from .compiling import CompiledPiece, PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from . import cudagraphs
 from .cudagraphs import PieceRunner, StepState, pool_bytes, synchronize
 from .distributed import rank_agreement
 from .padding import plan_padding
+from .row_independence import evaluate_rows
 from .position_writes import PLACEHOLDER, Rewrite, rewrite_writes
 from .precapture import run_compute_pieces, symbol_values
 from .splitting import COMPUTE, SplitGraph, split_graph
 from .staging import stage_keys
 from .inspection import piece_signatures
 from .stats import CaptureEvent, GraphStats, PieceStats, register
+from .weight_sets import WeightSet, WeightSets
 
 log = logging.getLogger("piecewise_backend")
 
@@ -83,7 +85,7 @@ class CompiledGraph:
                  key_symbols: list, pad_position: int | None, policy: CapturePolicy,
                  graphs_disabled_reason: str | None, any_requires_grad: bool, fake_inputs: list,
                  fake_outputs: dict, static_inputs: frozenset, rewrite: Rewrite | None = None,
-                 unmasked_writes: tuple = ()):
+                 unmasked_writes: tuple = (), weight_indices: tuple = ()):
         CompiledGraph._serial += 1
         self.serial = CompiledGraph._serial
         self.split = split
@@ -98,8 +100,9 @@ class CompiledGraph:
         self.policy = policy
         self.graphs_disabled_reason = graphs_disabled_reason
         self.any_requires_grad = any_requires_grad
-        self.captured: set = set()
+        self.captured: set = set()  # shape keys captured (for the active set of weights)
         self._plans: dict[tuple, Plan] = {}
+        self.weights = WeightSets(weight_indices, config.max_weight_sets)
         self._fake_inputs = fake_inputs
         self._fake_outputs = fake_outputs
         self._static_inputs = static_inputs
@@ -140,6 +143,11 @@ class CompiledGraph:
         if self.graphs_disabled_reason is not None or not self._grad_allows_graphs():
             step.graphing = False
             return self._forward(*args)
+        addresses = self.weights.addresses(args)
+        if addresses != self.weights.active_addresses and not self._use_weights(addresses, args):
+            step.graphing = False
+            self.stats.misses[WEIGHTS_MOVED] += 1
+            return self._forward(*args)
         key = self.shape_key(args)
         plan = self._plans.get(key)
         if plan is None:
@@ -159,6 +167,37 @@ class CompiledGraph:
             return self._capturing_call(plan, args)
         return self._forward(*args)
 
+    def _use_weights(self, addresses: tuple, args: tuple) -> bool:
+        """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
+        False when the set is new and ``max_weight_sets`` sets have graphs already."""
+        weight_set = self.weights.find(addresses)
+        if weight_set is None:
+            detail = (f"parameters/buffers at a new set of addresses; {len(self.weights)} sets have graphs, "
+                      f"max_weight_sets={self.weights.limit}")
+            self.stats.miss_details[WEIGHTS_MOVED] = detail
+            self._warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: calls with these weights "
+                                              f"run un-graphed. Raise max_weight_sets, or recompile "
+                                              f"(torch._dynamo.reset()) after replacing the weights for good.")
+            return False
+        if weight_set.number > 1 and weight_set.number > self.stats.weight_sets:
+            self._warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers are at "
+                                              f"new addresses (load_state_dict(assign=True), .to(), another "
+                                              f"model's weights): capturing graphs for them (set "
+                                              f"{weight_set.number} of at most {self.weights.limit}); the "
+                                              f"tensors captured before are never written.")
+        self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
+        self._activate(addresses, weight_set)
+        if self._template is not None:  # capture() uses these weights from now on (and not the old ones)
+            self._template = [args[i] if i in self._static_inputs else t for i, t in enumerate(self._template)]
+        return True
+
+    def _activate(self, addresses: tuple, weight_set: WeightSet) -> None:
+        for name, runner in self.runners.items():
+            runner.captures = weight_set.captures.setdefault(name, {})
+            runner.failed_keys = weight_set.failed.setdefault(name, set())
+        self.captured, self._plans = weight_set.captured, weight_set.plans
+        self.weights.activate(addresses, weight_set)
+
     def _new_plan(self, key: tuple, args: tuple) -> Plan:
         if self._template is None:
             self._remember(key, args)
@@ -167,7 +206,7 @@ class CompiledGraph:
                     self._warn_once("eager sizes", f"piecewise: graph {self.serial}: eager_capture_sizes ignored: "
                                                    f"{self._no_up_front_capture()}")
                 else:
-                    self.capture(self.config.eager_sizes)  # before the first output
+                    self.capture(self._eager_sizes_within_rows())  # before the first output
         plan = self.policy.plan(key, self.captured, self._pool_bytes)
         if plan.miss is not None:
             self.stats.miss_details[plan.miss] = plan.detail
@@ -211,13 +250,15 @@ class CompiledGraph:
     # -- capture bookkeeping ----------------------------------------------------------------------
 
     def release_graphs(self) -> int:
-        """Forget every shape key's graphs (see the module's :func:`release_graphs`); the number of
-        keys released. Keys whose capture failed stay un-graphed."""
-        released = len(self.captured)
-        for runner in self.runners.values():
-            runner.captures.clear()
-        self.captured.clear()
-        self._plans.clear()  # plans of captured keys would replay graphs that are gone
+        """Forget every shape key's graphs, for every set of weights (see the module's
+        :func:`release_graphs`); the number of keys released. Keys whose capture failed stay un-graphed."""
+        released = 0
+        for weight_set in self.weights.all():
+            released += len(weight_set.captured)
+            for captures in weight_set.captures.values():
+                captures.clear()
+            weight_set.captured.clear()
+            weight_set.plans.clear()  # plans of captured keys would replay graphs that are gone
         return released
 
     def _pool_bytes(self) -> int:
@@ -273,11 +314,18 @@ class CompiledGraph:
                                f"once (capture() takes the weights and other sizes from that call).")
         if self.unmasked_writes:
             raise RuntimeError(f"piecewise: graph {self.serial} cannot capture up front: {self._no_up_front_capture()}")
-        sizes = self.policy.sizes if sizes == "all" else tuple(sizes)
+        every = sizes == "all"
+        sizes = self.policy.sizes if every else tuple(sizes)
         unknown = [s for s in sizes if s not in self.policy.sizes]
         if unknown:
             raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {self.serial}; "
                              f"its capture sizes are {list(self.policy.sizes)}.")
+        rows = self._row_limit()
+        too_many = [s for s in sizes if rows is not None and s > rows]
+        if too_many and not every:
+            raise ValueError(f"piecewise: graph {self.serial} reads or writes tensors of {rows} rows by batch row "
+                             f"(a KV cache's batch dim); sizes {too_many} would reach past them.")
+        sizes = tuple(s for s in sizes if s not in too_many)
         keys = [self.policy.with_size(self._template_key, s) for s in sorted(set(sizes), reverse=True)]
         todo = [k for k in keys if k not in self.captured]
         done = []
@@ -290,6 +338,20 @@ class CompiledGraph:
             self._capture_up_front(key)
             done.append(key)
         return done
+
+    def _row_limit(self) -> int | None:
+        """The most rows a padded or up-front batch may have (a KV cache's batch dim), None: no limit."""
+        return self.policy.row_limit(self._template_key) if self.policy.row_limit is not None else None
+
+    def _eager_sizes_within_rows(self) -> tuple:
+        rows = self._row_limit()
+        sizes = self.config.eager_sizes
+        if rows is not None and any(s > rows for s in sizes):
+            self._warn_once("eager rows", f"piecewise: graph {self.serial}: eager_capture_sizes above {rows} are "
+                                          f"not captured: the graph reads or writes tensors of {rows} rows by "
+                                          f"batch row (a KV cache's batch dim).")
+            sizes = tuple(s for s in sizes if s <= rows)
+        return sizes
 
     def _no_up_front_capture(self) -> str:
         return (f"its compute pieces write {', '.join(self.unmasked_writes)} (full mode) at positions the inputs "
@@ -386,23 +448,30 @@ def _leading_dynamic_size(fake_inputs: list, symbols: list) -> int | None:
 
 
 def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs: list, symbols: list,
-             unmasked_writes: dict, masked_nodes: frozenset):
-    """(pad position in the key, padding per piece, why not padded or None, description).
+             unmasked_writes: dict, row_access: dict):
+    """(pad position in the key, padding per piece, why not padded or None, row capacities, description).
 
-    The KV writes moved into compute pieces (``position_writes``, written by ``masked_nodes``) are
-    masked to the caller's rows, so they neither forbid padding nor count as mixing rows: only each
-    piece's ``unmasked_writes`` do.
+    The KV writes moved into compute pieces (``position_writes``) are masked to the caller's rows,
+    so they neither forbid padding nor count as mixing rows (``row_access`` names them): only each
+    piece's ``unmasked_writes`` do. They do read and write their caches by batch row, so a padded
+    batch may not exceed those caches' rows: the capacities.
     """
     pad_position = _leading_dynamic_size(fake_inputs, symbols)
     if pad_position is None:
-        return None, {}, None, "no dynamic batch size: one shape, captured as is"
+        return None, {}, None, (), "no dynamic batch size: one shape, captured as is"
     sym = symbols[pad_position]
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
-    nodes = [n for n in split.compute_nodes if n not in masked_nodes]
-    per_piece, reason = plan_padding(sym, nodes, pieces, unmasked_writes)
+    per_piece, reason, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked_writes, row_access)
     if reason:
-        return pad_position, {}, reason, f"off for {sym}: {reason}; only exact capture sizes get graphs"
-    return pad_position, per_piece, None, f"{sym} padded up to the next capture size"
+        return pad_position, {}, reason, (), f"off for {sym}: {reason}; only exact capture sizes get graphs"
+    note = f"{sym} padded up to the next capture size"
+    if capacities:
+        rows = sorted({str(c.rows) for c in capacities})
+        tensors = {c.what.split(" ")[0] for c in capacities}
+        note += (f" while the padded batch fits in {' / '.join(rows)} rows, the batch dim of the "
+                 f"{len(tensors)} tensor(s) it reads or writes by batch row (e.g. {capacities[0].what}); "
+                 f"past that, exact sizes")
+    return pad_position, per_piece, None, capacities, note
 
 
 def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
@@ -464,11 +533,12 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     sources, symbols, missing = _key_sources(fake_inputs, needed - split.step_symbols)
     reason = _graphs_disabled_reason(config, fake_inputs, missing)
-    pad_position, padding, no_padding, padding_note = _padding(
-        split, compiled, fake_outputs, fake_inputs, symbols, unmasked, rewrite.nodes if rewrite is not None else ())
+    pad_position, padding, no_padding, capacities, padding_note = _padding(
+        split, compiled, fake_outputs, fake_inputs, symbols, unmasked, rewrite.row_access if rewrite is not None else {})
     if not config.padding and pad_position is not None:
         padding, padding_note = {}, "off (padding=False): only exact capture sizes get graphs"
-    policy = CapturePolicy(config, pad_position, no_padding, rank_agreement(gm.graph))
+    row_limit = (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
+    policy = CapturePolicy(config, pad_position, no_padding, rank_agreement(gm.graph), row_limit)
 
     stats = register(GraphStats(
         num_pieces=len(split.pieces), num_compute_pieces=len(compute_names),
@@ -484,19 +554,22 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         if spec.kind == COMPUTE:
             stats.pieces[spec.name] = PieceStats(spec.name)
             runners[spec.name] = PieceRunner(
-                spec.name, compiled[spec.name].fn, _positions(input_args[spec.name], static_placeholders),
+                spec.name, compiled[spec.name].fn, compiled[spec.name].fake_args,
+                _positions(input_args[spec.name], static_placeholders),
                 frozenset(escaping.get(spec.name, ())), step, stats.pieces[spec.name],
-                config.warmup_runs, config.clone_outputs, padding.get(spec.name),
-                _positions(input_args[spec.name], spec.writes_inputs), staging[spec.name],
+                config.warmup_runs, config.clone_outputs, padding.get(spec.name), staging[spec.name],
                 _positions(input_args[spec.name], unmasked[spec.name]), policy.agreement)
             # An instance attribute shadows the registered submodule (kept for inspection).
             split_gm.__dict__[spec.name] = runners[spec.name]
         else:
             split_gm.__dict__[spec.name] = submod.forward  # skip nn.Module.__call__ overhead
     unmasked_writes = tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes))
+    # the parameters/buffers whose addresses choose the set of graphs (not our own step-scalar tensor)
+    weight_indices = tuple(i for i in sorted(static_inputs) if isinstance(fake_inputs[i], torch.Tensor)
+                           and not (rewrite is not None and i == len(fake_inputs) - 1))
     graph = CompiledGraph(split, compiled, runners, step, stats, config, sources, symbols, pad_position, policy,
                           reason, any_requires_grad, fake_inputs, fake_outputs, static_inputs, rewrite,
-                          unmasked_writes)
+                          unmasked_writes, weight_indices)
     stats.serial = graph.serial
     stats.build_seconds = time.perf_counter() - started
     graph.signatures = signatures

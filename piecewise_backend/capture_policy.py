@@ -18,6 +18,7 @@ ABOVE_MAX = "above the largest capture size"
 NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
 NOT_CAPTURED = "not captured and lazy_capture=False"
 OVER_BUDGET = "over the capture budget"
+WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +92,13 @@ class CapturePolicy:
         no_padding_reason: why this graph cannot be padded (None if it can).
         agreement: for a graph with collectives, the other ranks' say in every budget decision
             (``distributed.RankAgreement``), so all ranks capture the same sizes at the same call.
+        row_limit: ``key -> rows``: the fewest rows of the tensors the graph reads or writes by batch
+            row (``cache[:B]``; see ``row_independence``), or None. A batch pads only up to it;
+            past it, the exact size is captured (padded rows would reach past those tensors).
     """
 
     def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
-                 agreement=None):
+                 agreement=None, row_limit=None):
         self.sizes = config.sizes
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
@@ -102,13 +106,16 @@ class CapturePolicy:
         self.lazy = config.lazy_capture
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
         self.agreement = agreement
+        self.row_limit = row_limit
 
-    def bucket(self, size: int) -> int | None:
-        """The capture size that serves ``size`` if it were captured (ignoring what is)."""
+    def bucket(self, size: int, rows: int | None = None) -> int | None:
+        """The capture size that serves ``size`` if it were captured (ignoring what is); ``size``
+        itself when padding up would pass ``rows``."""
         if size > self.sizes[-1]:
             return None
         if self.padding:
-            return self.sizes[bisect.bisect_left(self.sizes, size)]
+            bucket = self.sizes[bisect.bisect_left(self.sizes, size)]
+            return size if rows is not None and bucket > rows else bucket
         return size if size in self.sizes else None
 
     def with_size(self, key: tuple, size: int) -> tuple:
@@ -124,7 +131,8 @@ class CapturePolicy:
         if self.pad_position is None:
             return Plan(key) if key in captured else self.admit(key, captured, pool_bytes)
         size = key[self.pad_position]
-        bucket = self.bucket(size)
+        rows = self.row_limit(key) if self.padding and self.row_limit is not None else None
+        bucket = self.bucket(size, rows)
         if bucket is None:
             if size > self.sizes[-1]:
                 return Plan(None, size, miss=ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
@@ -134,6 +142,8 @@ class CapturePolicy:
             return Plan(bucket_key, size, padded=bucket != size)
         if not self.lazy:
             for larger in self.sizes[bisect.bisect_left(self.sizes, bucket):] if self.padding else ():
+                if rows is not None and larger > rows:
+                    break
                 larger_key = self.with_size(key, larger)
                 if larger_key in captured:
                     return Plan(larger_key, size, padded=larger != size)

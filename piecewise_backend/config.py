@@ -64,6 +64,10 @@ class PiecewiseConfig:
         max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
             a capture that would exceed it does not happen; that size runs un-graphed.
         max_captured_sizes: cap on the number of sizes captured per compiled graph.
+        max_weight_sets: how many sets of parameter/buffer addresses a compiled graph keeps graphs
+            for. Weights that move (``load_state_dict(assign=True)``, ``.to()``, a second model's
+            weights through the same compiled function) get graphs of their own, captured anew;
+            a set beyond this many runs un-graphed. The user's tensors are never written.
         capture_kv_writes: move writes like ``cache[:B, :, pos:pos + S] = k`` (a buffer written at a
             per-step Python-int position) into the captured graphs, with the position read from a
             device tensor the graph refreshes once per call (see ``position_writes.py``). Off,
@@ -89,6 +93,7 @@ class PiecewiseConfig:
     lazy_capture: bool = True
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
+    max_weight_sets: int = 4
     capture_kv_writes: bool = True
     graph_attention: bool = True
 
@@ -131,6 +136,8 @@ class PiecewiseConfig:
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:
             _check_int(options["warmup_runs"], "warmup_runs", minimum=0)
+        if "max_weight_sets" in options:
+            _check_int(options["max_weight_sets"], "max_weight_sets", minimum=1)
         if options.get("mode", "piecewise") not in MODES:
             raise ValueError(f"piecewise backend: option 'mode' must be one of {', '.join(map(repr, MODES))}, "
                              f"got {options['mode']!r}.")

@@ -12,11 +12,13 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   the step that captured them ends, their memory goes back to the pool for the next capture.
 * **No gc.collect()/empty_cache() per capture.** ``torch.cuda.graph`` runs both on every capture
   (seconds per size in vLLM's measurements); we drive ``CUDAGraph.capture_begin/end`` directly.
-* **Inputs.** Parameters and buffers are captured in place. Outputs of earlier captured pieces are
-  captured in place (same key → same address). Anything else (user inputs, attention outputs) is
-  copied into a buffer the runner owns. On replay an input whose address differs from the
-  captured one is copied into the captured buffer: never a replay on stale data, and no copy when
-  the address is already right.
+* **Inputs.** Parameters and buffers are captured in place; the compiled graph replays a key only
+  while every one of them is at the address it was captured with (``weight_sets.py``), so a runner
+  never checks them and never writes them. Outputs of earlier captured pieces are captured in
+  place (same key → same address). Anything else (user inputs, attention outputs) is copied into
+  a buffer the runner owns. On replay an input whose address differs from the captured one is
+  copied into that buffer: never a replay on stale data, and no copy when the address is already
+  right.
 * **Outputs.** Outputs the user sees are cloned out of the pool unless ``clone_outputs=False``: the
   next replay would overwrite them (torch raises on that, vLLM silently aliases).
 * **Padding.** A key's batch size may be larger than the caller's (a batch of 5 replays the graph
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import time
 import warnings
 from typing import Any, Callable
@@ -41,6 +42,7 @@ import torch
 from . import _torch_internals
 from .distributed import agreed_refusal
 from .padding import PiecePadding, evaluate
+from .precapture import symbol_values
 from .stats import PieceStats
 
 log = logging.getLogger("piecewise_backend")
@@ -67,9 +69,6 @@ class _EmulatedGraph:
         for old, new in zip(flat, fresh if isinstance(fresh, tuple) else (fresh,)):
             if isinstance(old, torch.Tensor):
                 old.copy_(new)
-
-
-_data_ptr = torch.Tensor.data_ptr
 
 
 def _as_tuple(outputs):
@@ -222,10 +221,15 @@ class _Captured:
     checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
     #               that is not a parameter/buffer
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
-    statics: tuple = ()  # the parameters/buffers captured in place, in the runner's ``static_indices`` order
-    static_ptrs: tuple = ()  # and their addresses at capture
-    moved_static: set = dataclasses.field(default_factory=set)
     views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
+
+
+def _strides_at(fake: torch.Tensor, values: dict) -> tuple | None:
+    """A fake tensor's strides at these symbol values, or None where a symbol has no value."""
+    try:
+        return tuple(evaluate(s.node.expr if isinstance(s, torch.SymInt) else int(s), values) for s in fake.stride())
+    except ValueError:
+        return None
 
 
 def _fits_in_storage(t: torch.Tensor, size) -> bool:
@@ -240,8 +244,9 @@ class PieceRunner:
     Args:
         name: submodule name in the split graph.
         fn: the Inductor-compiled piece, called with positional args.
-        static_args: indices of args that are parameters/buffers (fixed addresses).
-        written_args: the static args the piece writes (full mode: a KV-cache buffer).
+        fake_args: the fake inputs it was compiled for.
+        static_args: indices of args that are parameters/buffers (captured in place; the compiled
+            graph replays only while they are where they were at capture).
         escaping_outputs: indices of outputs the user sees (cloned out of the pool).
         step: the state the stitched graph shares with its runners.
         padding: which dims to pad, if the graph is padded (see ``padding.py``).
@@ -255,14 +260,13 @@ class PieceRunner:
             collectives inside it still pair up.
     """
 
-    def __init__(self, name: str, fn: Callable, static_args: frozenset, escaping_outputs: frozenset,
+    def __init__(self, name: str, fn: Callable, fake_args: list, static_args: frozenset, escaping_outputs: frozenset,
                  step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
-                 padding: PiecePadding | None = None, written_args: frozenset = frozenset(),
-                 stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset(), agreement=None):
+                 padding: PiecePadding | None = None, stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset(), agreement=None):
         self.name = name
         self.fn = fn
+        self.fake_args = fake_args  # what the piece was compiled for (strides of its inputs)
         self.static_args = static_args
-        self.written_args = written_args
         self.escaping_outputs = escaping_outputs
         self.step = step
         self.stats = stats
@@ -275,27 +279,19 @@ class PieceRunner:
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
-        self.static_indices: tuple = ()
-        self._static_ptrs: Callable[[tuple], tuple] = lambda args: ()  # set by _index_statics
 
     def __call__(self, *args):
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
         step = self.step
         if not step.graphing:
-            self.stats.ungraphed_runs += 1
-            return self.fn(*args)
+            return self._ungraphed(args)
         captured = self.captures.get(step.key)
         if captured is None:
             if step.key in self.failed_keys:
-                self.stats.ungraphed_runs += 1
-                return self.fn(*args)
+                return self._ungraphed(args)
             return self._capture(step.key, args)
         checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
             else (captured.checks, captured.outputs)
-        if self._static_ptrs(args) != captured.static_ptrs:  # all weights in one C-level pass
-            moved = self._moved_static(captured, args)
-            if moved is not None:
-                return moved
         for i, buf, ptr, stage in checks:
             arg = args[i]
             source = arg.data_ptr()
@@ -304,43 +300,43 @@ class PieceRunner:
                     if step.refreshed.get(stage) == source:
                         continue
                     step.refreshed[stage] = source
-                if i in self.written_args:
-                    return self._drop_moved_written(step.key, i, args)
-                self._copy_in(captured, i, buf, arg)
+                buf.copy_(arg)  # a buffer this runner owns
+                self.stats.input_copies += 1
         captured.graph.replay()
         self.stats.replays += 1
         return self._user_outputs(outputs) if self._clones else outputs
 
-    # -- replay helpers ---------------------------------------------------------------------------
+    def _ungraphed(self, args: tuple):
+        self.stats.ungraphed_runs += 1
+        try:
+            return self.fn(*args)
+        except AssertionError:  # Inductor's input stride check (see _expected_layout)
+            relaid = self._expected_layout(args)
+            if relaid is None:
+                raise
+            return self.fn(*relaid)
 
-    def _index_statics(self, args: tuple) -> None:
-        """Which args are tensor parameters/buffers: their addresses are compared all at once.
+    def _expected_layout(self, args: tuple) -> list | None:
+        """``args`` with every tensor copied to the strides the compiled piece was compiled for, or
+        None if all had them already.
 
-        A decode step checks every input of every piece (a 16-layer Llama: ~185, most of them
-        weights); one ``map(data_ptr)`` over the weights and one tuple compare cost a fraction of a
-        Python loop over them.
+        Fake propagation predicts an eager op's output strides, and Inductor compiles the next piece
+        for them (and asserts them). Eager kernels do not always agree: CPU ``batch_norm`` on a
+        transposed input returned a contiguous output at some batch sizes where the prediction kept
+        the input's strides. Captured graphs never see this (their input buffers have the expected
+        strides and ``copy_`` converts), un-graphed calls retry through this.
         """
-        self.static_indices = tuple(i for i, a in enumerate(args)
-                                    if i in self.static_args and isinstance(a, torch.Tensor))
-        if not self.static_indices:
-            self._static_ptrs = lambda args: ()
-        elif len(self.static_indices) == 1:
-            (only,) = self.static_indices
-            self._static_ptrs = lambda args: (args[only].data_ptr(),)
-        else:
-            getter = operator.itemgetter(*self.static_indices)
-            self._static_ptrs = lambda args: tuple(map(_data_ptr, getter(args)))
+        values = symbol_values(self.fake_args, args)
+        out, changed = list(args), False
+        for i, (fake, arg) in enumerate(zip(self.fake_args, args)):
+            if isinstance(fake, torch.Tensor) and isinstance(arg, torch.Tensor):
+                strides = _strides_at(fake, values)
+                if strides is not None and tuple(arg.stride()) != strides and arg.numel() > 1:
+                    out[i] = torch.empty_strided(arg.shape, strides, dtype=arg.dtype, device=arg.device).copy_(arg)
+                    changed = True
+        return out if changed else None
 
-    def _moved_static(self, captured: _Captured, args: tuple):
-        """A parameter/buffer has a new address: copy it in (warned once), or, when the graph writes
-        it, give this key up. Returns the un-graphed result in that last case, else None."""
-        for i, ptr, captured_static in zip(self.static_indices, captured.static_ptrs, captured.statics):
-            arg = args[i]
-            if arg.data_ptr() != ptr:
-                if i in self.written_args:
-                    return self._drop_moved_written(self.step.key, i, args)
-                self._copy_in(captured, i, captured_static, arg)
-        return None
+    # -- replay helpers ---------------------------------------------------------------------------
 
     def _slice(self, captured: _Captured, size: int):
         """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
@@ -357,27 +353,6 @@ class PieceRunner:
         cut = tuple(o.narrow(dims[j], 0, size) if dims[j] is not None else o for j, o in enumerate(flat))
         return cut if isinstance(outputs, tuple) else cut[0]
 
-    def _copy_in(self, captured: _Captured, i: int, buf: torch.Tensor, arg: torch.Tensor) -> None:
-        if i in self.static_args and i not in captured.moved_static:
-            captured.moved_static.add(i)
-            warnings.warn(
-                f"piecewise: {self.name}: parameter/buffer input {i} moved since its CUDA graph was "
-                f"captured; copying it into the captured buffer every step. Recompile the model after "
-                f"replacing or moving its weights (torch._dynamo.reset()).", stacklevel=3)
-        buf.copy_(arg)
-        self.stats.input_copies += 1
-
-    def _drop_moved_written(self, key: tuple, i: int, args: tuple):
-        """A buffer the graph writes has a new address: the graph would write the old one."""
-        del self.captures[key]
-        self.failed_keys.add(key)
-        reason = (f"buffer input {i}, which the graph writes, moved since capture at shape key {key}; "
-                  f"running un-graphed (recompile after replacing buffers: torch._dynamo.reset())")
-        self.stats.failures.append(reason)
-        warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
-        self.stats.ungraphed_runs += 1
-        return self.fn(*args)
-
     def _user_outputs(self, outputs):
         if not self._clones:
             return outputs
@@ -392,11 +367,8 @@ class PieceRunner:
         start = time.perf_counter()
         failure = None
         try:
-            self._index_statics(args)
             capture_args, checks = self._capture_inputs(args)
             captured, outputs = self._record(capture_args, checks)
-            captured.statics = tuple(args[i] for i in self.static_indices)
-            captured.static_ptrs = self._static_ptrs(args)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
             failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})"
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
@@ -410,8 +382,7 @@ class PieceRunner:
             self.failed_keys.add(key)
             self.stats.failures.append(reason)
             warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
-            self.stats.ungraphed_runs += 1
-            return self.fn(*args)
+            return self._ungraphed(args)
         if isinstance(captured.graph, torch.cuda.CUDAGraph):
             captured.graph.replay()  # capture does not run kernels; this call's outputs come from a replay
         self.captures[key] = captured
@@ -442,7 +413,7 @@ class PieceRunner:
             stage = self.stage_keys.get(i)
             staged = step.staged.get(stage)
             if i in self.static_args:
-                continue  # parameters keep their address: captured in place, checked all at once
+                continue  # parameters keep their address: captured in place (weight_sets.py)
             if arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
                 # an earlier piece's captured output (the first rows of it, when padded)
                 buf = _alias(arg, size)
@@ -476,7 +447,8 @@ class PieceRunner:
         the storage offset is dropped: compiled code reads through the data pointer.
         """
         if dim is None:
-            buf = torch.empty_strided(arg.shape, arg.stride(), dtype=arg.dtype, device=arg.device)
+            strides = _strides_at(self.fake_args[i], self.step.sym_values) or arg.stride()
+            buf = torch.empty_strided(arg.shape, strides, dtype=arg.dtype, device=arg.device)
             buf.copy_(arg)
             return buf
         strides = [evaluate(s, self.step.sym_values) for s in pad.arg_strides[i]]

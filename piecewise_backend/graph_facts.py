@@ -98,6 +98,30 @@ def is_barrier(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and getattr(node.target, "__name__", "") in _BARRIER_NAMES
 
 
+# Functions whose schema does not say they write an argument, but which do: batch norm in train
+# mode updates its running statistics in place. name -> (position of ``training``, positions written).
+_HIDDEN_WRITES = {
+    "batch_norm": {"torch.nn.functional": (5, (1, 2)), "torch": (5, (3, 4))},
+    "instance_norm": {"torch.nn.functional": (5, (1, 2)), "torch": (5, (3, 4))},
+}
+
+
+def _hidden_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The running statistics a train-mode ``batch_norm``/``instance_norm`` call updates."""
+    name = getattr(node.target, "__name__", "")
+    module = getattr(node.target, "__module__", "") or ""
+    forms = _HIDDEN_WRITES.get(name, {})
+    form = forms.get(module) or forms.get("torch" if module.startswith("torch._C") else module)
+    if form is None:
+        return []
+    training_at, written_at = form
+    training = node.args[training_at] if len(node.args) > training_at else node.kwargs.get(
+        "use_input_stats" if name == "instance_norm" else "training", name == "instance_norm")
+    if training is False:
+        return []
+    return [node.args[i] for i in written_at if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
+
+
 def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The input nodes ``node`` writes in place (empty for pure ops)."""
     if node.op == "call_method":
@@ -124,6 +148,9 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
                     if isinstance(value, torch.fx.Node):
                         written.append(value)
             return written
+        hidden = _hidden_writes(node)
+        if hidden:
+            return hidden
         name = getattr(target, "__name__", "")
         if name.endswith("_") and not name.startswith("_") and node.args:
             first = node.args[0]

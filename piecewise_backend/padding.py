@@ -4,14 +4,15 @@ A batch of 5 replays the graph captured for 8: the runner copies the 5 real rows
 rows of the captured input buffers, replays, and hands back the first 5 rows of each output. Rows
 5..7 compute garbage that nobody reads. That is only right when
 
-* every row's result depends on that row alone along the padded dim (token-wise ops, matmuls with
-  weights, attention within a sequence). A node whose inputs are batched and whose output is not
-  (``x.sum(0)``, ``x[-1]``, ``x.T @ x``), or a scan/sort/softmax along the batch dim, mixes the
-  garbage rows into real ones;
-* the pieces write nothing the caller owns (full mode may capture a KV-cache write: padded rows
-  would write cache rows the caller did not pass);
+* every row's result provably depends on that row alone along the padded dim: ``row_independence``
+  proves it op by op (a positive rule: an op it does not know refuses padding);
+* the pieces write nothing the caller owns at the caller's positions (full mode may capture a write
+  into a buffer: padded rows would write rows the caller did not pass), unless the write is one
+  of ``position_writes``' masked ones;
 * the padded size appears in each piece's inputs and outputs as one plain dim (``[s0, 1, H]``,
-  not ``[2*s0, H]``), so "the first B rows" is a slice.
+  not ``[2*s0, H]``), so "the first B rows" is a slice;
+* and, per call, the padded size is no larger than the rows of any tensor the graph reads or
+  writes by batch row (``cache[:B]``): the *row capacity*, checked by the capture policy.
 
 Anything else and the graph is captured at exact capture sizes only, with the reason in its stats.
 Padded input buffers start zeroed and later hold only real rows of earlier calls, so an index
@@ -26,15 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from . import graph_facts as facts
-from .op_names import display_name
-
-# Ops that combine values along a dim while keeping its size: wrong if that dim is the padded one.
-_ALONG_DIM_OPS = {
-    "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod", "cummax", "cummin",
-    "logcumsumexp", "sort", "argsort", "flip", "roll", "topk", "kthvalue", "median", "mode", "diff",
-}
-
+from .row_independence import analyse
 
 @dataclasses.dataclass(frozen=True)
 class PiecePadding:
@@ -65,47 +58,6 @@ def _padded_dims(value: Any, sym) -> list[int] | None:
     return dims
 
 
-def _dim_arg(node: torch.fx.Node):
-    if "dim" in node.kwargs:
-        return node.kwargs["dim"]
-    if "dims" in node.kwargs:
-        return node.kwargs["dims"]
-    return node.args[1] if len(node.args) > 1 else None
-
-
-def _op_name(node: torch.fx.Node) -> str:
-    if node.op == "call_method":
-        return str(node.target)
-    name = getattr(node.target, "__name__", "")
-    return name.split(".")[0]
-
-
-def row_mixing(nodes, sym) -> str | None:
-    """Why these (compute) nodes would mix padded rows into real ones, or None if they do not."""
-    for node in nodes:
-        if node.op not in ("call_function", "call_method") or facts.is_sym_node(node):
-            continue
-        inputs = [facts.example_value(i) for i in node.all_input_nodes]
-        batched = [v for v in inputs if isinstance(v, torch.Tensor) and _batch_dims(v, sym)]
-        if not batched:
-            continue
-        out = facts.example_value(node)
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
-        if outs and not any(_batch_dims(o, sym) for o in outs):
-            return f"{display_name(node)} turns a batched tensor into an un-batched one (reduces over the batch)"
-        if _op_name(node) in _ALONG_DIM_OPS:
-            dim = _dim_arg(node)
-            ndim = batched[0].dim()
-            dims = dim if isinstance(dim, (tuple, list)) else (dim,)
-            if dim is None or any(not isinstance(d, int) or d % max(ndim, 1) in _batch_dims(batched[0], sym) for d in dims):
-                return f"{display_name(node)} combines values along the batch dim"
-    return None
-
-
-def _batch_dims(value: torch.Tensor, sym) -> set:
-    return {d for d, s in enumerate(value.shape) if isinstance(s, torch.SymInt) and sym in s.node.expr.free_symbols}
-
-
 def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePadding | str:
     """The padding of one compute piece, or why it cannot be padded."""
     arg_dims, scalars, strides = {}, {}, {}
@@ -132,25 +84,28 @@ def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePaddin
     return PiecePadding(arg_dims, tuple(out_dims), scalars, strides)
 
 
-def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict) -> tuple[dict | None, str | None]:
-    """Padding of every compute piece, or (None, reason) when the graph cannot be padded.
+def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict,
+                 row_access: dict | None = None) -> tuple[dict | None, str | None, tuple]:
+    """Padding of every compute piece and the row capacities, or (None, reason, ()) when the graph
+    cannot be padded.
 
     ``pieces`` maps piece name -> (fake args, fake output); ``input_writes`` maps piece name -> the
-    graph inputs it writes.
+    graph inputs it writes at the caller's positions; ``row_access``: the rewrites' own nodes that
+    read or write buffers by batch row (see ``row_independence.analyse``).
     """
     for name, written in input_writes.items():
         if written:
-            return None, f"{name} writes {', '.join(written)}: padded rows would write rows the caller did not pass"
-    reason = row_mixing(compute_nodes, sym)
-    if reason:
-        return None, reason
+            return None, f"{name} writes {', '.join(written)}: padded rows would write rows the caller did not pass", ()
+    rows = analyse(compute_nodes, sym, row_access)
+    if rows.refusal:
+        return None, rows.refusal, ()
     out = {}
     for name, (fake_args, fake_out) in pieces.items():
         plan = piece_padding(name, fake_args, fake_out, sym)
         if isinstance(plan, str):
-            return None, plan
+            return None, plan, ()
         out[name] = plan
-    return out, None
+    return out, None, rows.capacities
 
 
 def evaluate(expr, values: dict) -> int:

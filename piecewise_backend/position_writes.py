@@ -242,7 +242,9 @@ def _indices(site: _Site, scalars: torch.fx.Node, slot_of: dict, add, masked: bo
     return tuple(indices), mask
 
 
-def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> torch.fx.Node:
+def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
+    """Rewrite one write; returns its gather and its put, each with the (buffer, dim) pairs it reads or
+    writes by batch row (its prefix dims that stop at a graph value: ``cache[:B]``)."""
     graph = site.node.graph
     buffer_value = facts.example_value(site.buffer)
     value = site.value
@@ -257,7 +259,9 @@ def _rewrite_site(site: _Site, scalars: torch.fx.Node, slot_of: dict, fake_mode)
     graph.erase_node(site.node)
     if view is not site.buffer and not view.users:  # index_copy_'s view of the buffer, now unused
         graph.erase_node(view)
-    return put
+    rows = tuple((site.buffer, d) for d, dim in enumerate(site.dims)
+                 if dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node))
+    return {old: rows, put: rows}
 
 
 def find_reads(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[_Site]:
@@ -301,7 +305,10 @@ class Rewrite:
     graph_module: torch.fx.GraphModule  # a copy of the input with the writes rewritten
     scalars: StepScalars
     buffers: frozenset  # names of the buffers whose writes now run in compute pieces
-    nodes: frozenset  # the index_put_ nodes (masked: they never mix padded rows into real ones)
+    # the nodes the rewrites built that read or write a buffer by batch row (the KV writes' gathers
+    # and puts, masked to the caller's rows; graph attention), each with its (buffer, dim) pairs:
+    # row-wise by construction, but a padded batch may not exceed those buffers' rows
+    row_access: dict
     attention: int = 0  # SDPA calls replaced by graph-safe ``prefix_attention`` (graph_attention.py)
     prefix_views: int = 0  # eager cache slices taken with ``as_strided`` (prefix_views.py)
 
@@ -382,17 +389,20 @@ def rewrite_writes(gm: torch.fx.GraphModule, static_inputs: set[str], writes: bo
         node = graph.placeholder(PLACEHOLDER)
     with _torch_internals.fake_propagation(fake_mode):
         node.meta["example_value"] = fake_mode.from_tensor(scalars.tensor, static_shapes=True)
-    puts = [_rewrite_site(site, node, slots.index, fake_mode) for site in sites]
+    row_access = {}
+    for site in sites:
+        row_access.update(_rewrite_site(site, node, slots.index, fake_mode))
     for site in reads:
         _rewrite_read(site, node, slots.index, fake_mode)
     for site in attention_sites:
         add = _Builder(graph, site.node, fake_mode)
-        rewrite_attention(site, add("call_function", operator.getitem, node, slots.index[site.length]), add)
+        attention = rewrite_attention(site, add("call_function", operator.getitem, node, slots.index[site.length]), add)
+        row_access[attention] = tuple((buffer, 0) for buffer in site.buffers)  # it reads ``cache[:B]``
     views = find_prefix_views(graph, static_inputs, steps)  # the eager attention's cache slices, made cheaper
     for view in views:
         rewrite_prefix_view(view, steps, _Builder(graph, view, fake_mode))
     _drop_orphaned_scalars(graph)
     graph.lint()
     gm.recompile()
-    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), frozenset(puts), len(attention_sites),
+    return Rewrite(gm, scalars, frozenset(s.buffer.name for s in sites), row_access, len(attention_sites),
                    len(views))

@@ -81,15 +81,38 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
         kinds[node] = EAGER if node in reasons else COMPUTE
     # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
-    # view of an input would alias the runner's copy of it, not the caller's tensor.
+    # view of an input would alias the runner's copy of it, not the caller's tensor. So do views of
+    # graph inputs the graph returns: eager (and Inductor) hand back a view of the caller's tensor,
+    # through which writes reach it; a captured one would be a copy.
+    output = next(n for n in graph.nodes if n.op == "output")
     for node in reversed(list(graph.nodes)):
         if kinds.get(node) != COMPUTE or not node.users:
             continue
-        feeds_eager_only = all(kinds.get(u) in (EAGER, SPLIT) for u in node.users)
-        if feeds_eager_only and (facts.is_sym_node(node) or roots[node] in input_roots and roots[node] is not node):
+        views_input = roots[node].op == "placeholder" and roots[node] is not node
+        if views_input and output in node.users:
+            kinds[node] = EAGER
+            reasons[node] = f"{display_name(node)}: a view of graph input {roots[node].name} that is returned " \
+                            f"(kept a view of the caller's tensor, as in eager)"
+            continue
+        feeds_eager_only = all(kinds.get(u) in (EAGER, SPLIT) or u is output and views_input for u in node.users)
+        if feeds_eager_only and (facts.is_sym_node(node) or views_input and (roots[node] in input_roots
+                                                                             or output in _returned(node))):
             kinds[node] = EAGER
             reasons[node] = f"{display_name(node)}: view/scalar feeding eager ops only"
     return kinds, reasons
+
+
+def _returned(node: torch.fx.Node) -> set:
+    """The users of ``node`` that are the output node, directly or through chains of its users."""
+    seen, todo, out = set(), [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                out.add(user)
+            elif user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return out
 
 
 def _hoist(graph: torch.fx.Graph, kinds: dict) -> None:
@@ -185,12 +208,15 @@ def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writ
     return bad
 
 
-def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str]) -> None:
-    """Remove SymInt inputs a compute piece does not use.
+def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], steps: frozenset) -> None:
+    """Remove per-step SymInt inputs a compute piece does not use.
 
     ``split_module`` hands a piece the symbols that appear in its inputs' metadata, e.g. ``pos``
     for a RoPE row whose storage offset is ``16 * pos``. An unused ``pos`` input would still make
-    Inductor treat the piece as dynamic in it (and guard on it); the piece never needs it.
+    Inductor treat the piece as dynamic in it (and guard on it); the piece never needs it. Other
+    symbols stay even when no node reads them: they are sizes of the piece's tensors, and Inductor
+    may need them as inputs (a train-mode ``batch_norm`` computes its variance correction from the
+    batch size: without ``s0`` among the inputs, Inductor failed with ``RuntimeError: s0``).
     """
     for call in [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target in names]:
         submod = getattr(split_gm, str(call.target))
@@ -198,7 +224,8 @@ def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str]) 
         keep = []
         for ph, arg in zip(phs, call.args):
             value = facts.example_value(arg) if isinstance(arg, torch.fx.Node) else arg
-            if ph.users or isinstance(value, torch.Tensor) or value is None and isinstance(arg, torch.fx.Node):
+            per_step = bool(facts.value_symbols(value) & steps)
+            if ph.users or not per_step or isinstance(value, torch.Tensor) or value is None and isinstance(arg, torch.fx.Node):
                 keep.append(arg)
             else:
                 submod.graph.erase_node(ph)
@@ -234,7 +261,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
 
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     compute_pids = {pid for node, pid in part.items() if kinds[node] == COMPUTE}
-    _drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids})
+    _drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids}, steps)
     members: dict[int, list] = {}
     for node, pid in part.items():
         members.setdefault(pid, []).append(node)

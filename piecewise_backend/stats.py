@@ -52,6 +52,7 @@ class GraphStats:
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
+    weight_sets: int = 0  # sets of parameter addresses seen with graphs (more than 1: weights moved)
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
     batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
@@ -109,6 +110,8 @@ class GraphStats:
             lines.append(f"padding: {self.padding}")
         if self.graphs_disabled_reason:
             lines.append(f"CUDA graphs off: {self.graphs_disabled_reason}")
+        if self.weight_sets > 1:
+            lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses")
         for reason, count in self.misses.items():
             lines.append(f"un-graphed calls, {reason}: {count} ({self.miss_details.get(reason, reason)})")
         for p in self.pieces.values():

@@ -1,11 +1,11 @@
 """Parameters and buffers that get a new address after their graphs were captured.
 
-Graphs read weights in place, so a weight replaced through ``.data`` (a checkpoint loaded by
-assignment, a ``.to()`` round trip) would be replayed stale. The runners compare every weight's
-address on each replay (all at once, see ``PieceRunner._index_statics``): a moved weight is copied
-into the captured one, with one warning; a moved buffer that the graph *writes* (a KV cache) makes
-that shape run un-graphed, with a warning, since the graph would write the old one. On CPU with
-emulated graphs, against an eager copy treated the same way.
+Graphs read weights in place, so a weight replaced through ``.data``, ``load_state_dict(assign=True)``
+or a second model's weights passed to the same compiled function must not replay the old
+addresses, and must never be copied into the tensors captured before: those belong to the user.
+Each set of addresses gets graphs of its own (``weight_sets.py``), up to ``max_weight_sets``; a
+buffer the graph writes (a KV cache) is written at its new address. On CPU with emulated graphs,
+against an eager copy treated the same way.
 """
 
 import warnings
@@ -13,45 +13,117 @@ import warnings
 import pytest
 import torch
 
+from piecewise_backend.capture_policy import WEIGHTS_MOVED
 from piecewise_backend.toy_models import ToyConfig, ToyLlama
 
-from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since
+from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
+SIZES = [2, 4, 8]
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
-def _decode(compiled, reference, start_pos):
-    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        results = decode_at_sizes(compiled, reference, (2, 2), start_pos=start_pos)
-    return results, [str(w.message) for w in caught if "piecewise" in str(w.message)]
-
-
-def test_a_replaced_weight_is_copied_in_and_warned_once():
+def test_a_weight_replaced_through_data_gets_graphs_of_its_own_and_one_warning():
     compiled, reference, start = compile_with_reference(ToyLlama, CFG, {"capture_sizes": [2, 4]})
-    results, _ = _decode(compiled, reference, 0)
-    assert_results_close(results)
+    results = decode_at_sizes(compiled, reference, (2, 2))
+    old = compiled._orig_mod.layers[0].mlp.up.weight.data
+    old_copy = old.clone()
     new_weight = torch.randn_like(reference.layers[0].mlp.up.weight)
     for model in (compiled._orig_mod, reference):  # a new tensor, same shape: no recompile
         model.layers[0].mlp.up.weight.data = new_weight.clone()
-    results, messages = _decode(compiled, reference, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results += decode_at_sizes(compiled, reference, (2, 2, 2), start_pos=4)
     assert_results_close(results)  # the replays use the new weight
-    moved = [m for m in messages if "moved since its CUDA graph was captured" in m]
-    assert len(moved) == 1, messages  # once, though every replay copies it
+    assert torch.equal(old, old_copy)  # and nothing was copied into the old one
+    moved = [str(w.message) for w in caught if "new addresses" in str(w.message)]
+    assert len(moved) == 1, [str(w.message) for w in caught]
     graph = max(graphs_since(start), key=lambda g: g.stats.calls)
-    assert graph.stats.replays > 0 and not graph.stats.failed_captures
+    assert graph.stats.weight_sets == 2 and graph.stats.replays > 0 and not graph.stats.failed_captures
 
 
-def test_a_replaced_kv_cache_runs_that_shape_ungraphed():
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16)).eval()
+
+
+def _calls(compiled, net, sizes=(3, 4)):
+    for size in sizes:
+        x = torch.randn(size, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), net(x))
+
+
+def test_load_state_dict_assign_recaptures_and_never_writes_the_old_parameters():
+    torch._dynamo.reset()
+    start = last_serial()
+    net = _mlp(0)
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES})
+    _calls(compiled, net)
+    old = [p for p in net.parameters()]
+    before = [p.detach().clone() for p in old]
+    net.load_state_dict({k: torch.randn_like(v) for k, v in net.state_dict().items()}, assign=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _calls(compiled, net)
+        _calls(compiled, net)
+    for p, saved in zip(old, before):
+        assert torch.equal(p, saved)  # the tensors the user held are unchanged
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.weight_sets == 2 and "parameters moved" in graph.stats.summary()
+    assert graph.captured == {(4,)} and graph.stats.replays > 0
+    moved = [w for w in caught if "new addresses" in str(w.message)]
+    assert len(moved) == 1, [str(w.message) for w in caught]
+
+
+def test_one_compiled_function_alternating_two_models_weights():
+    torch._dynamo.reset()
+    start = last_serial()
+    a, b = _mlp(1), _mlp(2)
+    saved = {id(p): p.detach().clone() for net in (a, b) for p in net.parameters()}
+    compiled = torch.compile(lambda net, x: net(x), backend="piecewise", options={"capture_sizes": SIZES})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            for net in (a, b):
+                _calls(lambda x: compiled(net, x), net)
+    for net in (a, b):
+        for p in net.parameters():
+            assert torch.equal(p, saved[id(p)])
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.weight_sets == 2
+    assert graph.stats.replays > 0 and not graph.stats.misses[WEIGHTS_MOVED]
+
+
+def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
+    torch._dynamo.reset()
+    start = last_serial()
+    nets = [_mlp(seed) for seed in (3, 4, 5)]
+    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
+                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            for net in nets:
+                _calls(lambda x: compiled(net, x), net, sizes=(4,))
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.misses[WEIGHTS_MOVED] == 2  # the third model, twice
+    assert "max_weight_sets=2" in graph.stats.miss_details[WEIGHTS_MOVED]
+    assert len([w for w in caught if "max_weight_sets=2" in str(w.message)]) == 1
+
+
+def test_a_replaced_kv_cache_gets_graphs_that_write_the_new_one():
     compiled, reference, start = compile_with_reference(ToyLlama, CFG, {"capture_sizes": [2, 4]})
-    results, _ = _decode(compiled, reference, 0)
-    assert_results_close(results)
+    results = decode_at_sizes(compiled, reference, (2, 2))
+    old = compiled._orig_mod.layers[1].attn.k_cache
+    old_copy = old.clone()
     for model in (compiled._orig_mod, reference):
-        model.layers[1].attn.k_cache.data = model.layers[1].attn.k_cache.clone()
-    results, messages = _decode(compiled, reference, 4)
-    assert_results_close(results)  # the new cache is the one written and read
-    assert any("which the graph writes, moved since capture" in m for m in messages), messages
+        model.layers[1].attn.k_cache = model.layers[1].attn.k_cache.clone()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results += decode_at_sizes(compiled, reference, (2, 2), start_pos=4)
+    assert_results_close(results)
+    assert torch.equal(old, old_copy)  # the graphs write the new cache, not the one they were captured with
+    torch.testing.assert_close(compiled._orig_mod.layers[1].attn.k_cache, reference.layers[1].attn.k_cache)
     graph = max(graphs_since(start), key=lambda g: g.stats.calls)
-    failures = [f for piece in graph.stats.pieces.values() for f in piece.failures]
-    assert any("moved since capture at shape key (2,)" in f for f in failures), failures
+    assert graph.stats.weight_sets == 2 and not graph.stats.failed_captures

@@ -1,0 +1,70 @@
+"""Parameters and buffers that move get graphs of their own; the user's tensors are never written.
+
+Captured graphs read parameters and buffers in place, at the addresses they had at capture. After
+``model.load_state_dict(sd, assign=True)``, a ``.to()`` round trip, or when one compiled function is
+called with a second model's weights, those addresses change. Copying the new values into the
+captured tensors would be cheap and wrong: those tensors belong to the user (model A would silently
+take model B's weights). So each distinct *set* of addresses gets graphs of its own, captured on
+first sight like a new batch size, for up to ``max_weight_sets`` sets per compiled graph; calls with
+a further set run un-graphed. Each set's graphs are only ever replayed with every parameter at the
+address it was captured with, so a replay reads exactly what the caller passed.
+
+Re-capturing costs one capture per size in use (milliseconds per size on the H200); running
+un-graphed costs the launch overhead on every step, so re-capturing wins after a few steps and is
+what happens until the bound. The check is one pass over the graph's parameters/buffers per call
+(a tuple of ``data_ptr`` values compared to the active set's), not one per piece.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+@dataclasses.dataclass
+class WeightSet:
+    """What a compiled graph keeps per set of parameter addresses."""
+
+    number: int  # 1 for the first set seen, 2 for the next, ...
+    captured: set = dataclasses.field(default_factory=set)  # shape keys captured
+    plans: dict = dataclasses.field(default_factory=dict)  # shape key -> Plan
+    captures: dict = dataclasses.field(default_factory=dict)  # piece name -> {shape key: captured graph}
+    failed: dict = dataclasses.field(default_factory=dict)  # piece name -> shape keys whose capture failed
+
+
+class WeightSets:
+    """The sets of parameter/buffer addresses a graph has seen, and which one is active."""
+
+    def __init__(self, static_indices: tuple[int, ...], limit: int):
+        self.limit = limit
+        if not static_indices:
+            self.addresses = lambda args: ()
+        elif len(static_indices) == 1:
+            (only,) = static_indices
+            self.addresses = lambda args: (args[only].data_ptr(),)
+        else:
+            getter = operator.itemgetter(*static_indices)
+            self.addresses = lambda args: tuple(map(_data_ptr, getter(args)))
+        self._sets: dict[tuple, WeightSet] = {}
+        self.active_addresses: tuple | None = None
+        self.active: WeightSet | None = None
+
+    def __len__(self) -> int:
+        return len(self._sets)
+
+    def all(self) -> list[WeightSet]:
+        return list(self._sets.values())
+
+    def find(self, addresses: tuple) -> WeightSet | None:
+        """The set of these addresses: known, or new while under the bound; None past the bound."""
+        found = self._sets.get(addresses)
+        if found is None and len(self._sets) < self.limit:
+            found = self._sets[addresses] = WeightSet(len(self._sets) + 1)
+        return found
+
+    def activate(self, addresses: tuple, weight_set: WeightSet) -> None:
+        self.active_addresses, self.active = addresses, weight_set

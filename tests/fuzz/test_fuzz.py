@@ -1,0 +1,32 @@
+"""The CI slice of the differential fuzzer: random models against eager on CPU, graphs emulated.
+
+Bounded to a few minutes on two cores (each model costs an Inductor compile or two). The GPU run
+(``python -m tests.fuzz --device cuda``) is the long one: thousands of steps, batch sizes up to 600,
+memory over 10,000 replays.
+"""
+
+import pytest
+import torch
+
+from .runner import fuzz
+
+SEEDS = range(12)
+CAPTURE_SIZES = [1, 2, 4, 8, 12]  # batch sizes are drawn up to 14: above the largest size too
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
+
+
+@pytest.fixture(scope="module")
+def fuzzed():
+    with torch.no_grad():
+        return fuzz(SEEDS, steps=10, max_batch=14, options={"capture_sizes": CAPTURE_SIZES})
+
+
+def test_random_models_match_eager_at_every_step(fuzzed):
+    assert fuzzed.steps == 10 * len(SEEDS)
+    assert fuzzed.wrong == 0, "\n".join(fuzzed.failures[:20])
+
+
+def test_the_slice_covers_padded_and_refused_graphs_and_weight_swaps(fuzzed):
+    # the slice would prove little if the backend never padded, never refused, or weights never moved
+    assert fuzzed.padded_graphs > 0 and fuzzed.unpadded_graphs > 0, fuzzed
+    assert fuzzed.weight_swaps > 0, fuzzed

@@ -1,0 +1,187 @@
+"""The backend matches eager or says why it does not graph something: the classes of silent bugs.
+
+Each test is named for a behaviour and failed before its fix (on CPU, with CUDA graphs emulated):
+padding where rows meet rows, padding past a cache's rows, outputs that are views of inputs, and
+batch norm in train mode (parameters that move: ``test_moved_inputs.py``). The differential fuzzer in ``tests/fuzz`` checks the
+same rules on random models.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from piecewise_backend.capture_policy import NOT_A_CAPTURE_SIZE
+from piecewise_backend.toy_models import ToyConfig, ToyLlama
+
+from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
+
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
+SIZES = [2, 4, 8]
+
+
+def _run_at_sizes(net, sizes, options=None, width=16):
+    """Compile ``net``, call it at each batch size (marked dynamic), each output checked against
+    eager; returns the graph that served the calls."""
+    torch._dynamo.reset()
+    start = last_serial()
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES, **(options or {})})
+    g = torch.Generator().manual_seed(0)
+    for size in sizes:
+        x = torch.randn(size, width, generator=g)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5, msg=lambda m: f"batch {size}: {m}")
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    return graph
+
+
+# -- 1. padding only where rows are proven independent ------------------------------------------
+
+
+class HandWrittenAttention(torch.nn.Module):
+    """Attention over the leading dim, written by hand: every row attends to every other row."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(width, width) for _ in range(3))
+
+    def forward(self, x):
+        scores = (self.q(x) @ self.k(x).T).exp()
+        return (scores / scores.sum(-1, keepdim=True)) @ self.v(x)
+
+
+class BatchStatistics(torch.nn.Module):
+    def __init__(self, width=16):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.norm = torch.nn.BatchNorm1d(width, track_running_stats=False)
+
+    def forward(self, x):
+        return self.norm(self.lin(x)) * 2
+
+
+def test_hand_written_attention_over_the_batch_is_never_padded():
+    graph = _run_at_sizes(HandWrittenAttention().eval(), (3, 5, 5, 4))
+    assert "rows meet rows" in graph.stats.padding and "matmul" in graph.stats.padding
+    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+
+
+def test_batch_norm_with_batch_statistics_is_never_padded():
+    graph = _run_at_sizes(BatchStatistics().eval(), (3, 5, 4))
+    assert "batch statistics" in graph.stats.padding
+    assert graph.captured == {(4,)}
+
+
+class UnknownOp(torch.nn.Module):
+    """An op the proof does not know (a user's custom op) refuses padding, whatever it does."""
+
+    def forward(self, x):
+        return torch.ops.fuzzlib.row_scale(x) + 1
+
+
+torch.library.define("fuzzlib::row_scale", "(Tensor x) -> Tensor")
+torch.library.impl("fuzzlib::row_scale", "CompositeExplicitAutograd")(lambda x: x * 2)
+torch.library.register_fake("fuzzlib::row_scale")(lambda x: torch.empty_like(x))
+
+
+def test_an_op_not_known_to_keep_rows_apart_refuses_padding_and_says_which():
+    graph = _run_at_sizes(UnknownOp(), (3, 4))
+    assert "fuzzlib::row_scale" in graph.stats.padding and "not an op known" in graph.stats.padding
+    assert "not an op known" in graph.stats.summary()
+
+
+def test_row_wise_models_are_still_padded():
+    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.LayerNorm(32),
+                              torch.nn.Linear(32, 16), torch.nn.Softmax(-1)).eval()
+    graph = _run_at_sizes(net, (3, 5, 7))
+    assert "padded up to the next capture size" in graph.stats.padding
+    assert graph.captured == {(4,), (8,)}
+
+
+# -- 2. padding never reaches past the rows of a cache read or written by batch row ----------------
+
+
+@pytest.mark.parametrize("options", [{}, {"graph_attention": False}], ids=["graph-attention", "eager-attention"])
+def test_padding_stops_at_the_rows_of_a_kv_cache(options):
+    # a cache of 6 rows: a batch of 5 must not replay the graph of 8 (rows 6, 7 are not there)
+    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6),
+                                                        {"capture_sizes": SIZES, **options})
+    results = decode_at_sizes(compiled, reference, (3, 5, 6, 2))
+    assert_results_close(results)
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert "fits in 6 rows" in graph.stats.padding, graph.stats.padding
+    assert graph.captured == {(4,), (5,), (6,), (2,)}  # 3 pads to 4; 5 and 6 run at their exact size
+    for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
+        torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache)
+        torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache)
+
+
+def test_up_front_capture_skips_sizes_past_the_cache_rows():
+    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6),
+                                                        {"capture_sizes": SIZES, "eager_capture_sizes": "all"})
+    assert_results_close(decode_at_sizes(compiled, reference, (3, 2)))
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.captured == {(2,), (4,)}  # 8 would reach past the 6-row caches
+    with pytest.raises(ValueError, match="tensors of 6 rows by batch row.*\\[8\\]"):
+        graph.capture([8])
+
+
+# -- 4. an output that is a view of an input stays one ---------------------------------------------
+
+
+class ReturnsViews(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x), x[:, :4], self.lin.weight.T
+
+
+def test_an_output_that_views_an_input_stays_a_view_of_it():
+    torch._dynamo.reset()
+    start = last_serial()
+    net = ReturnsViews().eval()
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES})
+    for size in (3, 4, 4):
+        x = torch.randn(size, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        y, head, weight_t = compiled(x)
+        torch.testing.assert_close(y, net.lin(x))
+        head.fill_(7.0)  # writes through the view reach the caller's tensor, as in eager
+        assert bool((x[:, :4] == 7).all())
+        assert weight_t.data_ptr() == net.lin.weight.data_ptr()
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.replays > 0  # the linear is still graphed
+    reasons = [r for p in graph.pieces for r in p.eager_reasons]
+    assert any("that is returned" in r for r in reasons), reasons
+
+
+# -- 5. batch norm in train mode under no_grad ----------------------------------------------------
+
+
+def test_batch_norm_in_train_mode_compiles_and_updates_running_stats_as_eager():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)).train()
+    reference = copy.deepcopy(net)
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES})
+    for size in (3, 5, 5, 4):
+        x = torch.randn(size, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), reference(x), atol=1e-5, rtol=1e-5)
+    for name, buffer in reference[1].named_buffers():
+        torch.testing.assert_close(getattr(net[1], name), buffer, msg=lambda m: f"{name}: {m}")
+
+
+def test_batch_norm_in_train_mode_full_mode_compiles():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16)).train()
+    reference = copy.deepcopy(net)
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES, "mode": "full"})
+    for size in (3, 4, 4):
+        x = torch.randn(size, 16)
+        torch._dynamo.mark_dynamic(x, 0)
+        torch.testing.assert_close(compiled(x), reference(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(net[1].running_var, reference[1].running_var)
