@@ -247,9 +247,9 @@ class _Analysis:
                 self.rows_written(node, where)
             return
         if not outs:
-            if _base(name or "") in _METADATA or facts.is_sym_node(node):
-                return
-            raise _Refused(f"{where} turns a batched tensor into a Python value")
+            if _base(name or "") in _METADATA:
+                return  # a size, stride or dtype: the same for every row
+            raise _Refused(f"{where} turns a batched tensor into a Python value (``item()`` of a sum over rows?)")
         if any(b is None for b in out_batches):
             raise _Refused(f"{where} turns a batched tensor into an un-batched one (reduces over the batch)")
         if name is None:
@@ -474,7 +474,7 @@ class _Analysis:
         if node.target is operator.getitem or node.target == "__getitem__":
             entries = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
             if any(isinstance(facts.example_value(e), torch.Tensor) for e in entries if isinstance(e, torch.fx.Node)):
-                raise _Refused(f"{where} gathers rows with a batched index tensor")
+                raise _Refused(f"{where} gathers rows by an index tensor")
             for dim, entry in self.index_dims(entries, value.dim(), where):
                 if isinstance(entry, slice) and self.is_batch_size(entry.stop):
                     if entry.start not in (None, 0) or entry.step not in (None, 1):
