@@ -179,7 +179,7 @@ class CompiledGraph:
                                               f"run un-graphed. Raise max_weight_sets, or recompile "
                                               f"(torch._dynamo.reset()) after replacing the weights for good.")
             return False
-        if weight_set.number > 1 and weight_set.number > self.stats.weight_sets:
+        if weight_set.number > 1:
             self._warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers are at "
                                               f"new addresses (load_state_dict(assign=True), .to(), another "
                                               f"model's weights): capturing graphs for them (set "
@@ -467,10 +467,10 @@ def _padding(split: SplitGraph, compiled: dict, fake_outputs: dict, fake_inputs:
     note = f"{sym} padded up to the next capture size"
     if capacities:
         rows = sorted({str(c.rows) for c in capacities})
-        tensors = {c.what.split(" ")[0] for c in capacities}
+        tensors = {c.tensor for c in capacities}
         note += (f" while the padded batch fits in {' / '.join(rows)} rows, the batch dim of the "
-                 f"{len(tensors)} tensor(s) it reads or writes by batch row (e.g. {capacities[0].what}); "
-                 f"past that, exact sizes")
+                 f"{len(tensors)} tensor(s) it reads or writes by batch row (e.g. {capacities[0].tensor}, "
+                 f"{capacities[0].where}); past that, exact sizes")
     return pad_position, per_piece, None, capacities, note
 
 

@@ -44,7 +44,8 @@ class _Refused(Exception):
 class Capacity:
     """A tensor read or written by batch row: a padded batch may not exceed ``rows``."""
 
-    what: str  # the tensor and the node, for people
+    tensor: str  # the graph input (or value) read or written by batch row
+    where: str  # which dim, and the node that does it, for people
     rows: Any  # an int, or a sympy expression in the graph's symbols
 
 
@@ -148,6 +149,8 @@ class _Dims:
             raise _Refused(f"{where} has the batch size {self.sym} in dims {[d for d, _ in found]} "
                            f"(shape {tuple(value.shape)}): rows meet rows")
         dim, expr = found[0]
+        if expr == self.sym:
+            return dim, 1
         coefficient = sympy.simplify(expr / self.sym)
         if not (coefficient.is_Integer and coefficient > 0):
             raise _Refused(f"{where} has a dim of size {expr} (shape {tuple(value.shape)}), not a whole number "
@@ -212,7 +215,7 @@ class _Analysis:
     def capacity(self, tensor: torch.fx.Node, dim: int, why: str) -> None:
         size = facts.example_value(tensor).shape[dim]
         rows = size.node.expr if isinstance(size, torch.SymInt) else int(size)
-        self.capacities.append(Capacity(f"{tensor.name} (dim {dim}, {why})", rows))
+        self.capacities.append(Capacity(tensor.name, f"dim {dim}, {why}", rows))
 
     def is_batch_size(self, value) -> bool:
         """Is ``value`` (a node or int) the batch size itself (``B`` in ``cache[:B]``)?"""
