@@ -72,6 +72,12 @@ def graphs_since(serial: int):
     return [g for g in piecewise_backend.compiled_graphs() if g.serial > serial]
 
 
+def busiest_graph(serial: int):
+    """Of the graphs compiled after ``serial``, the one that served the most calls (the decode graph:
+    Dynamo's first graph specialises the first batch size or position and runs once)."""
+    return max(graphs_since(serial), key=lambda g: g.stats.calls)
+
+
 def last_serial() -> int:
     import piecewise_backend
 

@@ -16,7 +16,7 @@ import torch
 from piecewise_backend.capture_policy import WEIGHTS_MOVED
 from piecewise_backend.toy_models import ToyConfig, ToyLlama
 
-from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
+from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 SIZES = [2, 4, 8]
@@ -38,7 +38,7 @@ def test_a_weight_replaced_through_data_gets_graphs_of_its_own_and_one_warning()
     assert torch.equal(old, old_copy)  # and nothing was copied into the old one
     moved = [str(w.message) for w in caught if "new addresses" in str(w.message)]
     assert len(moved) == 1, [str(w.message) for w in caught]
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2 and graph.stats.replays > 0 and not graph.stats.failed_captures
 
 
@@ -69,7 +69,7 @@ def test_load_state_dict_assign_recaptures_and_never_writes_the_old_parameters()
         _calls(compiled, net)
     for p, saved in zip(old, before):
         assert torch.equal(p, saved)  # the tensors the user held are unchanged
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2 and "parameters moved" in graph.stats.summary()
     assert graph.captured == {(4,)} and graph.stats.replays > 0
     moved = [w for w in caught if "new addresses" in str(w.message)]
@@ -90,7 +90,7 @@ def test_one_compiled_function_alternating_two_models_weights():
     for net in (a, b):
         for p in net.parameters():
             assert torch.equal(p, saved[id(p)])
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2
     assert graph.stats.replays > 0 and not graph.stats.misses[WEIGHTS_MOVED]
 
@@ -106,7 +106,7 @@ def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
         for _ in range(2):
             for net in nets:
                 _calls(lambda x: compiled(net, x), net, sizes=(4,))
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.misses[WEIGHTS_MOVED] == 2  # the third model, twice
     assert "max_weight_sets=2" in graph.stats.miss_details[WEIGHTS_MOVED]
     assert len([w for w in caught if "max_weight_sets=2" in str(w.message)]) == 1
@@ -125,5 +125,5 @@ def test_a_replaced_kv_cache_gets_graphs_that_write_the_new_one():
     assert_results_close(results)
     assert torch.equal(old, old_copy)  # the graphs write the new cache, not the one they were captured with
     torch.testing.assert_close(compiled._orig_mod.layers[1].attn.k_cache, reference.layers[1].attn.k_cache)
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2 and not graph.stats.failed_captures

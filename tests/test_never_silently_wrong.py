@@ -2,8 +2,8 @@
 
 Each test is named for a behaviour and failed before its fix (on CPU, with CUDA graphs emulated):
 padding where rows meet rows, padding past a cache's rows, outputs that are views of inputs, and
-batch norm in train mode (parameters that move: ``test_moved_inputs.py``). The differential fuzzer in ``tests/fuzz`` checks the
-same rules on random models.
+batch norm in train mode (parameters that move: ``test_moved_inputs.py``). The differential
+fuzzer in ``tests/fuzz`` checks the same rules on random models.
 """
 
 import copy
@@ -14,7 +14,7 @@ import torch
 from piecewise_backend.capture_policy import NOT_A_CAPTURE_SIZE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama
 
-from .helpers import assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, last_serial
+from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 SIZES = [2, 4, 8]
@@ -31,7 +31,7 @@ def _run_at_sizes(net, sizes, options=None, width=16):
         x = torch.randn(size, width, generator=g)
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5, msg=lambda m: f"batch {size}: {m}")
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     return graph
 
 
@@ -108,7 +108,7 @@ def test_padding_stops_at_the_rows_of_a_kv_cache(options):
                                                         {"capture_sizes": SIZES, **options})
     results = decode_at_sizes(compiled, reference, (3, 5, 6, 2))
     assert_results_close(results)
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert "fits in 6 rows" in graph.stats.padding, graph.stats.padding
     assert graph.captured == {(4,), (5,), (6,), (2,)}  # 3 pads to 4; 5 and 6 run at their exact size
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
@@ -120,7 +120,7 @@ def test_up_front_capture_skips_sizes_past_the_cache_rows():
     compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6),
                                                         {"capture_sizes": SIZES, "eager_capture_sizes": "all"})
     assert_results_close(decode_at_sizes(compiled, reference, (3, 2)))
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.captured == {(2,), (4,)}  # 8 would reach past the 6-row caches
     with pytest.raises(ValueError, match="tensors of 6 rows by batch row.*\\[8\\]"):
         graph.capture([8])
@@ -151,7 +151,7 @@ def test_an_output_that_views_an_input_stays_a_view_of_it():
         head.fill_(7.0)  # writes through the view reach the caller's tensor, as in eager
         assert bool((x[:, :4] == 7).all())
         assert weight_t.data_ptr() == net.lin.weight.data_ptr()
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.replays > 0  # the linear is still graphed
     reasons = [r for p in graph.pieces for r in p.eager_reasons]
     assert any("that is returned" in r for r in reasons), reasons

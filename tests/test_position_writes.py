@@ -14,14 +14,15 @@ from piecewise_backend.position_writes import PLACEHOLDER
 from piecewise_backend.splitting import COMPUTE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since
+from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
+    graphs_since
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _decode_graph(start):
-    return max(graphs_since(start), key=lambda g: g.stats.calls)
+    return busiest_graph(start)
 
 
 def _caches(model):

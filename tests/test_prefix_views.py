@@ -13,7 +13,7 @@ from torch import nn
 from piecewise_backend.splitting import COMPUTE
 from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, assert_results_close, compile_with_reference, decode_at_sizes, graphs_since, \
+from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
     last_serial
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _eager_code(start) -> str:
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     gm = graph.split.graph_module
     return "\n".join(gm._modules[p.name].code for p in graph.split.pieces if p.kind != COMPUTE)
 
@@ -78,7 +78,7 @@ def test_a_stop_past_the_end_is_clamped_as_indexing_clamps_it():
     # Dynamo guards pos + 2 <= 6 in the graph it traced, so no call reaches the clamp: call the
     # rewritten attention piece itself with the last position, as a graph without that guard would
     model, start = _compile_and_run(PeekPastTheEnd, range(LENGTH))
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     gm = graph.split.graph_module
     piece = next(gm._modules[p.name] for p in graph.split.pieces
                  if p.kind != COMPUTE and "torch.as_strided(" in gm._modules[p.name].code)
@@ -106,6 +106,6 @@ def test_views_inside_compute_pieces_are_left_to_inductor():
                                                         {"mode": "full", "capture_sizes": [2, 4, 8]})
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2), static_cache=True))
-    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1
     assert not any("as_strided" in m.code for m in graph.split.graph_module._modules.values())
