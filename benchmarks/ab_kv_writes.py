@@ -20,8 +20,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from piecewise_backend.toy_models import reset_caches, sdpa_backends
+from toys.models import reset_caches, sdpa_backends
 from suite import MODELS, next_ids, toy_model
 
 VARIANTS = {"kv-in-graphs": {}, "kv-eager": {"capture_kv_writes": False}}

@@ -17,8 +17,9 @@ import time
 
 import torch
 
+import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from piecewise_backend.toy_models import sdpa_backends
+from toys.models import sdpa_backends
 from suite import toy_model
 
 POS = 8

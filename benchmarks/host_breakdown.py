@@ -23,12 +23,14 @@ import time
 
 import torch
 
+import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from piecewise_backend import cudagraphs
-from piecewise_backend.cudagraphs import PieceRunner, synchronize
+from piecewise_backend import emulated_graphs
+from piecewise_backend.runtime.devices import synchronize
+from piecewise_backend.runtime.piece_runner import PieceRunner
 from piecewise_backend.splitting import COMPUTE
-from piecewise_backend.timing import timed
-from piecewise_backend.toy_models import ToyConfig, reset_caches, sdpa_backends
+from timing import timed
+from toys.models import ToyConfig, reset_caches, sdpa_backends
 from suite import MODELS, next_ids, toy_model
 
 
@@ -52,7 +54,7 @@ class _Clock:
 
 
 def _instrument(graph, clock: _Clock) -> None:
-    graphed = graph._device.type == "cuda"  # emulated graphs (CPU): replays stubbed out
+    graphed = graph.device.type == "cuda"  # emulated graphs (CPU): replays stubbed out
     gm = graph.split.graph_module
     for spec in graph.split.pieces:
         if spec.kind != COMPUTE:
@@ -111,7 +113,7 @@ def step_breakdown(args, device: str) -> dict:
     return {"model": args.model, "batch": args.batch, "device": device, "skip_guards": args.skip_guards,
             "graph_attention": not args.eager_attention, "pieces": graph.stats.num_pieces,
             "replays_gpu_ms": replays_gpu_ms,
-            "graph_inputs": len(graph._fake_inputs), "us_per_step": per_step}
+            "graph_inputs": len(graph.plan.inputs.fake_inputs), "us_per_step": per_step}
 
 
 def _replays_gpu_ms(graph, repeats: int = 20) -> float:
@@ -186,9 +188,8 @@ def main() -> None:
     parser.add_argument("--json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cpu":
-        cudagraphs.EMULATE_ON_CPU = True
-    result = {"step": step_breakdown(args, device), "op_costs_us": op_costs(args, device)}
+    with emulated_graphs(device == "cpu"):
+        result = {"step": step_breakdown(args, device), "op_costs_us": op_costs(args, device)}
     print(json.dumps(result, indent=1))
     if args.json:
         with open(args.json, "w") as f:

@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import warnings
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from piecewise_backend.timing import timed  # noqa: E402
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches  # noqa: E402
+import _checkout  # noqa: F401,E402  (the checkout's toys/ on sys.path)
+from timing import timed  # noqa: E402
+from toys.models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches  # noqa: E402
 
 SIZE = dict(vocab=32000, hidden=1024, layers=8, heads=16, intermediate=2816)
 

@@ -15,8 +15,9 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from piecewise_backend.cudagraphs import synchronize
-from piecewise_backend.toy_models import ToyLlama, ToyStaticCacheLlama, reset_caches, sdpa_backends
+import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
+from piecewise_backend.runtime.devices import synchronize
+from toys.models import ToyLlama, ToyStaticCacheLlama, reset_caches, sdpa_backends
 from suite import MODELS, compiled_variant, next_ids, toy_model
 
 

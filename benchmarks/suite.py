@@ -16,7 +16,7 @@ Variants, side by side in one process (the machines are noisy; read ratios):
   eagerly (SDPA) between the captured pieces; the default before, named ``piecewise`` in results
   measured before the switch.
 * ``piecewise-kv-eager``: ``piecewise-eager-attention`` with ``capture_kv_writes=False`` too (the
-  KV-cache writes run eagerly between replays, as before ``position_writes.py``): what moving them
+  KV-cache writes run eagerly between replays, as before ``decode/kv_writes.py``): what moving them
   into the graphs gives.
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
@@ -68,10 +68,11 @@ import traceback
 
 import torch
 
+import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from piecewise_backend.cudagraphs import synchronize
-from piecewise_backend.timing import time_decode, timed
-from piecewise_backend.toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
+from piecewise_backend.runtime.devices import synchronize
+from timing import time_decode, timed
+from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
 from plot import SAME_PROCESS_LIMIT
 

@@ -7,11 +7,15 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 ``backend=piecewise_backend.piecewise`` works too.
 """
 
-from .backend import CompiledGraph, capture, compiled_graphs, piecewise, release_graphs
+from .backend import piecewise
 from .config import PiecewiseConfig
-from .cudagraphs import pool_bytes
 from .inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
+from .kinds import CaptureHow, Miss, PieceKind
 from .op_names import DEFAULT_SPLITTING_OPS
+from .registry import capture, compiled_graphs, release_graphs
+from .runtime.compiled_graph import CompiledGraph
+from .runtime.devices import pool_bytes
+from .runtime.emulation import emulated_graphs
 from .stats import CaptureEvent, GraphStats, PieceStats, capture_table, process_stats
 
 __version__ = "0.1.0"
@@ -36,4 +40,8 @@ __all__ = [
     "GraphStats",
     "PieceStats",
     "DEFAULT_SPLITTING_OPS",
+    "PieceKind",
+    "Miss",
+    "CaptureHow",
+    "emulated_graphs",
 ]

@@ -107,7 +107,7 @@ def non_owning_alias(t: torch.Tensor, size: Sequence[int] | None = None) -> torc
     captures (other pieces, other sizes) from reusing that memory. vLLM uses a C++ op for this;
     cudagraph_trees uses these two private constructors, and so do we. ``size`` replaces ``t``'s
     shape (same strides and offset): the padded tensor that ``t`` is the first rows of. The caller
-    checks that it fits in the storage (``cudagraphs._fits_in_storage``).
+    checks that it fits in the storage (``runtime.piece_runner._fits_in_storage``).
     """
     storage = t.untyped_storage()
     meta = {
@@ -181,3 +181,77 @@ def resolve_process_group(group_name: str):
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return _resolve_process_group(group_name)
+
+
+# -- symbols, ops, storages, graph code: small private corners read at compile time ----------------
+
+# The C binding ``F.scaled_dot_product_attention`` wraps; Dynamo records either (2.11-2.14).
+C_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def sym_expr(value: Any) -> Any:
+    """The sympy expression behind a SymInt/SymFloat/SymBool (``s0``, ``s0 + 1``); anything else as is.
+
+    ``SymInt.node.expr`` is how Dynamo and Inductor read a symbol (same on 2.11, 2.13, 2.14).
+    """
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return value.node.expr
+    return value
+
+
+def is_symbol(value: Any) -> bool:
+    """Is ``value`` a SymInt that is one plain symbol (``s0``, not ``s0 + 1``)?"""
+    return isinstance(value, torch.SymInt) and value.node.expr.is_Symbol
+
+
+def is_op_overload(target: Any) -> bool:
+    """An ATen/custom op overload (``aten.add.Tensor``): what AOT-traced graphs call."""
+    return isinstance(target, torch._ops.OpOverload)
+
+
+def is_op_packet(target: Any) -> bool:
+    """An op's overload packet (``aten.add``): what Dynamo records for ``torch.ops.ns.name(...)``."""
+    return isinstance(target, torch._ops.OpOverloadPacket)
+
+
+def is_higher_order_op(target: Any) -> bool:
+    return isinstance(target, torch._ops.HigherOrderOperator)
+
+
+def op_schema_name(target: Any) -> str:
+    """``"ns::name"`` of an op overload (the overload name left off)."""
+    return target._schema.name
+
+
+def op_schema_arguments(target: Any) -> list:
+    """The schema's arguments of an op overload (each with ``.name``, ``.alias_info``)."""
+    return list(target._schema.arguments)
+
+
+def storage_ref(tensor: torch.Tensor):
+    """A hashable reference to ``tensor``'s storage, equal for every view of it (fake tensors too).
+
+    ``StorageWeakRef`` is what AOTAutograd uses to find aliasing inputs (2.11-2.14); None for a
+    tensor without storage.
+    """
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    try:
+        return StorageWeakRef(tensor.untyped_storage())
+    except Exception:  # tensors without storage
+        return None
+
+
+def format_graph_code(title: str, gm: torch.fx.GraphModule):
+    """Dynamo's lazily formatted graph code, for ``log.debug``. Formatting it matters even with DEBUG
+    off: under ``depyf.prepare_debug`` this call is what writes the graph into the dump folder."""
+    return torch._dynamo.utils.lazy_format_graph_code(title, gm)
+
+
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A graph module over a copy of ``gm``'s graph (nodes keep their meta, and the graph keeps
+    Dynamo's codegen, which flattens the inputs as Dynamo calls them: ``graph._codegen``)."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)

@@ -38,7 +38,7 @@ def _describe_value(v) -> str:
         return (f"T[{v.dtype},{v.device.type},{tuple(map(str, v.shape))},"
                 f"{tuple(map(str, v.stride()))},rg={v.requires_grad}]")
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return f"S[{v.node.expr}]"
+        return f"S[{_torch_internals.sym_expr(v)}]"
     return f"C[{v!r}]"
 
 

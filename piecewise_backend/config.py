@@ -70,7 +70,7 @@ class PiecewiseConfig:
             a set beyond this many runs un-graphed. The user's tensors are never written.
         capture_kv_writes: move writes like ``cache[:B, :, pos:pos + S] = k`` (a buffer written at a
             per-step Python-int position) into the captured graphs, with the position read from a
-            device tensor the graph refreshes once per call (see ``position_writes.py``). Off,
+            device tensor the graph refreshes once per call (see ``decode/kv_writes.py``). Off,
             they run eagerly between replays, two kernel launches per layer.
         graph_attention: replace decode SDPA over a growing prefix of a cache buffer
             (``sdpa(q, k_cache[:B, :, :pos + 1], ...)``, one query position) with a graph-safe

@@ -20,7 +20,8 @@ from typing import Iterable
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from . import _torch_internals
 
 _INPLACE_OPERATORS = {
     operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -38,7 +39,7 @@ def example_value(node: torch.fx.Node):
 
 def _sym_expr_symbols(value) -> set:
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return set(value.node.expr.free_symbols)
+        return set(_torch_internals.sym_expr(value).free_symbols)
     return set()
 
 
@@ -140,9 +141,9 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(first, torch.fx.Node) and isinstance(example_value(first), torch.Tensor):
                 return [first]
             return []
-        if isinstance(target, torch._ops.OpOverload):
+        if _torch_internals.is_op_overload(target):
             written = []
-            for i, arg in enumerate(target._schema.arguments):
+            for i, arg in enumerate(_torch_internals.op_schema_arguments(target)):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
                     if isinstance(value, torch.fx.Node):
@@ -163,10 +164,8 @@ def _storage_refs(value) -> set:
     if isinstance(value, (list, tuple)):
         return set().union(*(_storage_refs(v) for v in value)) if value else set()
     if isinstance(value, torch.Tensor):
-        try:
-            return {StorageWeakRef(value.untyped_storage())}
-        except Exception:  # tensors without storage (some subclasses)
-            return set()
+        ref = _torch_internals.storage_ref(value)
+        return {ref} if ref is not None else set()
     return set()
 
 

@@ -15,35 +15,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
-from typing import Any
+import warnings
 
 import torch
-import torch.fx
 
-_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
-           torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
-
-
-def describe(value: Any) -> str:
-    """``bf16[s72, 1, 1024]`` for a tensor (symbols kept), ``s27`` for a SymInt."""
-    if isinstance(value, torch.Tensor):
-        return f"{_DTYPES.get(value.dtype, str(value.dtype).replace('torch.', ''))}[{', '.join(map(str, value.shape))}]"
-    if isinstance(value, (list, tuple)):
-        return ", ".join(describe(v) for v in value)
-    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return str(value.node.expr)
-    return repr(value)
-
-
-def piece_signatures(split_gm: torch.fx.GraphModule, node_values: dict) -> dict[str, tuple[tuple[str, ...], str]]:
-    """For each piece: its inputs and its output, described from the fake values (kept as text,
-    so no fake tensor outlives the compile)."""
-    out = {}
-    for node in split_gm.graph.nodes:
-        if node.op == "call_module":
-            inputs = tuple(describe(node_values[a]) if isinstance(a, torch.fx.Node) else repr(a) for a in node.args)
-            out[str(node.target)] = (inputs, describe(node_values.get(node)))
-    return out
+from .kinds import PieceKind
+from .registry import compiled_graphs
+from .stats import format_table
 
 
 @dataclasses.dataclass
@@ -52,7 +30,7 @@ class PieceInfo:
 
     index: int
     name: str
-    kind: str  # "compute" (compiled, graphed), "split" (holds an attention op) or "eager"
+    kind: PieceKind  # compute (compiled, graphed), split (holds an attention op) or eager
     num_ops: int
     split_ops: tuple
     why_eager: tuple  # why its nodes run eagerly, one line per node
@@ -66,7 +44,7 @@ class PieceInfo:
 
     @property
     def label(self) -> str:
-        if self.kind == "split":
+        if self.kind == PieceKind.SPLIT:
             return ", ".join(op.split("::")[-1] for op in self.split_ops)
         return f"{self.kind} ({self.num_ops} ops)"
 
@@ -77,20 +55,19 @@ class SplitReport:
     def __init__(self, graph):
         self.graph = graph
         self.serial = graph.serial
-        sig = getattr(graph, "signatures", {})
-        gm = graph.split.graph_module
+        plan = graph.plan
         self.pieces: list[PieceInfo] = []
         for spec in graph.pieces:
             compiled = graph.compiled.get(spec.name)
             runner = graph.runners.get(spec.name)
-            inputs, output = sig.get(spec.name, ((), ""))
+            inputs, output = plan.signatures.get(spec.name, ((), ""))
             self.pieces.append(PieceInfo(
                 index=spec.index, name=spec.name, kind=spec.kind, num_ops=spec.num_ops, split_ops=spec.split_ops,
                 why_eager=spec.eager_reasons, inputs=inputs, output=output,
                 graphed=runner is not None and graph.graphs_disabled_reason is None,
                 compiled_as=compiled.shared_with if compiled else None,
                 captured=tuple(runner.captures) if runner else (),
-                code=gm._modules[spec.name].code.strip(),  # the attribute is shadowed by the runner
+                code=plan.code[spec.name],
                 inductor_code=compiled.inductor_code if compiled else None))
 
     # -- access -----------------------------------------------------------------------------------
@@ -115,31 +92,29 @@ class SplitReport:
 
     def rows(self) -> list[dict]:
         return [{"#": p.index, "piece": p.name, "kind": p.kind, "ops": p.num_ops,
-                 "what": p.label if p.kind == "split" else (p.why_eager[0] if p.why_eager else ""),
+                 "what": p.label if p.kind == PieceKind.SPLIT else (p.why_eager[0] if p.why_eager else ""),
                  "inputs": "; ".join(p.inputs), "output": p.output,
-                 "graphed": "yes" if p.graphed else "no" if p.kind == "compute" else "",
+                 "graphed": "yes" if p.graphed else "no" if p.kind == PieceKind.COMPUTE else "",
                  "compiled as": p.compiled_as or "", "captured": ", ".join(map(str, p.captured))}
                 for p in self.pieces]
 
     def headline(self) -> str:
         s = self.graph.stats
         why = self.graph.graphs_disabled_reason
+        graphs = f"CUDA graphs: off: {why}" if why else f"CUDA graphs: on; padding: {s.padding}"
         return (f"graph {self.serial}: {s.num_pieces} pieces ({s.num_compute_pieces} compute, "
-                f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; "
-                f"CUDA graphs: {('off: ' + why) if why else 'on'}; padding: {s.padding}")
+                f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; {graphs}")
 
     # -- rendering --------------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        from .stats import format_table
-
         short = [{k: (v if len(str(v)) <= 48 else str(v)[:45] + "...") for k, v in r.items()} for r in self.rows()]
         return self.headline() + "\n" + format_table(short)
 
     __repr__ = __str__
 
     def _repr_html_(self) -> str:
-        colours = {"compute": "#dbe9ff", "split": "#ffe2c2", "eager": "#eeeeee"}
+        colours = {PieceKind.COMPUTE: "#dbe9ff", PieceKind.SPLIT: "#ffe2c2", PieceKind.EAGER: "#eeeeee"}
         rows = self.rows()
         head = "".join(f"<th style='text-align:left'>{html.escape(k)}</th>" for k in rows[0]) if rows else ""
         body = "".join(
@@ -159,7 +134,7 @@ class SplitReport:
         import matplotlib.pyplot as plt
         from matplotlib.patches import FancyBboxPatch
 
-        colours = {"compute": "#5b8def", "split": "#f0a045", "eager": "#b5b5b5"}
+        colours = {PieceKind.COMPUTE: "#5b8def", PieceKind.SPLIT: "#f0a045", PieceKind.EAGER: "#b5b5b5"}
         rows = (len(self.pieces) + per_row - 1) // per_row or 1
         fig, ax = plt.subplots(figsize=(min(len(self.pieces), per_row) * 1.25 + 0.5, rows * 1.3 + 0.6))
         for p in self.pieces:
@@ -167,12 +142,12 @@ class SplitReport:
             y = (rows - 1 - r) * 1.3
             ax.add_patch(FancyBboxPatch((c * 1.25, y), 1.05, 0.9, boxstyle="round,pad=0.02",
                                         facecolor=colours.get(p.kind, "white"), edgecolor="black", linewidth=0.6))
-            if p.kind == "split":
+            if p.kind == PieceKind.SPLIT:
                 ops = ", ".join("SDPA" if "scaled_dot_product" in op else op.split("::")[-1][:14] for op in p.split_ops)
                 text = f"{ops}\n{p.num_ops} ops"
             else:
                 text = f"{p.name}\n{p.num_ops} ops"
-            if p.kind == "compute" and p.compiled_as and p.compiled_as != p.name:
+            if p.kind == PieceKind.COMPUTE and p.compiled_as and p.compiled_as != p.name:
                 text += f"\n= {p.compiled_as}"
             ax.text(c * 1.25 + 0.525, y + 0.45, text, ha="center", va="center", fontsize=7)
         ax.set_xlim(-0.1, min(len(self.pieces), per_row) * 1.25)
@@ -181,14 +156,11 @@ class SplitReport:
         ax.set_title(f"graph {self.serial}: blue compiled + graphed, orange attention (eager), grey eager",
                      fontsize=9)
         fig.tight_layout()
+        plt.close(fig)  # shown once, as the return value (Jupyter's inline backend would show it again)
         return fig
 
     def save_png(self, path, per_row: int = 12) -> str:
-        fig = self.figure(per_row)
-        fig.savefig(path, dpi=110)
-        import matplotlib.pyplot as plt
-
-        plt.close(fig)
+        self.figure(per_row).savefig(path, dpi=110)
         return str(path)
 
 
@@ -203,8 +175,6 @@ def _in_notebook() -> bool:
 
 def report(graph=None) -> SplitReport:
     """The report of ``graph`` (a CompiledGraph; default: the most recently compiled one)."""
-    from .backend import compiled_graphs
-
     if graph is None:
         graphs = compiled_graphs()
         if not graphs:
@@ -216,16 +186,12 @@ def report(graph=None) -> SplitReport:
 
 def reports() -> list[SplitReport]:
     """Reports of every live compiled graph, oldest first."""
-    from .backend import compiled_graphs
-
     return [SplitReport(g) for g in compiled_graphs()]
 
 
 def inspect_split(model: torch.nn.Module, *args, options: dict | None = None, **compile_kwargs) -> list[SplitReport]:
     """Compile ``model`` with the piecewise backend, run it once on ``args`` (no grad), and return
     the report of every graph that call compiled (usually one). Works on CPU."""
-    from .backend import compiled_graphs
-
     before = {g.serial for g in compiled_graphs()}
     compiled = torch.compile(model, backend="piecewise", options=options, **compile_kwargs)
     with torch.no_grad():
@@ -238,11 +204,23 @@ def debug_dump(folder: str):
     """depyf's dump of what compiles inside the block: Dynamo's transformed bytecode, the graph before
     and after the split, every piece's graph and Inductor's code, as files in ``folder``.
 
+    Only what *compiles* inside the block is dumped: a model Dynamo compiled before (by an earlier
+    call or ``inspect_split``) runs its cached code and writes nothing, and the block warns so.
     Needs ``depyf`` (``pip install depyf``); imported here only.
     """
     try:
         import depyf
     except ImportError as exc:
         raise ImportError("piecewise: debug_dump needs depyf: pip install depyf") from exc
+    before = _newest_serial()
     with depyf.prepare_debug(folder):
         yield folder
+    if _newest_serial() == before:
+        warnings.warn(f"piecewise: debug_dump({folder!r}): nothing was compiled inside the block, so there is "
+                      f"nothing of this backend's in the dump (Dynamo reused an earlier compile of this code). "
+                      f"Call torch._dynamo.reset() before the block, or make the block hold the model's first "
+                      f"call.", stacklevel=3)
+
+
+def _newest_serial() -> int:
+    return max((g.serial for g in compiled_graphs()), default=0)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import _torch_internals
+
 #: Split here by default: every form of SDPA a model may call, public or backend-specific.
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "aten::scaled_dot_product_attention",
@@ -25,7 +27,7 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
 # Python-level callables that are the same op as an aten op (Dynamo records the callable).
 _PYTHON_ALIASES: dict[object, str] = {
     F.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
-    torch._C._nn.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
+    _torch_internals.C_SDPA: "aten::scaled_dot_product_attention",
 }
 
 
@@ -33,11 +35,11 @@ def canonical_op_name(target: object) -> str | None:
     """``"ns::name"`` for an FX ``call_function`` target that is a dispatcher op, else None."""
     if target in _PYTHON_ALIASES:
         return _PYTHON_ALIASES[target]
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name  # "ns::name" without the overload
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if _torch_internals.is_op_overload(target):
+        return _torch_internals.op_schema_name(target)  # "ns::name" without the overload
+    if _torch_internals.is_op_packet(target):
         return target._qualified_op_name
-    if isinstance(target, torch._ops.HigherOrderOperator):
+    if _torch_internals.is_higher_order_op(target):
         return None
     return None
 

@@ -8,7 +8,7 @@ rows of the captured input buffers, replays, and hands back the first 5 rows of 
   proves it op by op (a positive rule: an op it does not know refuses padding);
 * the pieces write nothing the caller owns at the caller's positions (full mode may capture a write
   into a buffer: padded rows would write rows the caller did not pass), unless the write is one
-  of ``position_writes``' masked ones;
+  of the decode rewrite's masked ones (``decode/kv_writes.py``);
 * the padded size appears in each piece's inputs and outputs as one plain dim (``[s0, 1, H]``,
   not ``[2*s0, H]``), so "the first B rows" is a slice;
 * and, per call, the padded size is no larger than the rows of any tensor the graph reads or
@@ -27,7 +27,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from ._torch_internals import sym_expr
 from .row_independence import analyse
+
 
 @dataclasses.dataclass(frozen=True)
 class PiecePadding:
@@ -37,22 +39,19 @@ class PiecePadding:
         arg_dims: tensor arg index -> the dim that holds the padded size.
         out_dims: for each output (flattened), the dim to slice back, or None.
         scalar_exprs: SymInt arg index -> its sympy expression (re-evaluated at the padded size).
-        arg_strides: padded tensor arg index -> its strides as expressions (what the compiled piece
-            expects, evaluated at the padded size for the buffer the runner allocates).
     """
 
     arg_dims: dict
     out_dims: tuple
     scalar_exprs: dict
-    arg_strides: dict
 
 
 def _padded_dims(value: Any, sym) -> list[int] | None:
     """Dims of ``value`` whose size is exactly ``sym``; None if ``sym`` appears in a size otherwise."""
     dims = []
     for d, size in enumerate(value.shape):
-        if isinstance(size, torch.SymInt) and sym in size.node.expr.free_symbols:
-            if size.node.expr != sym:
+        if isinstance(size, torch.SymInt) and sym in sym_expr(size).free_symbols:
+            if sym_expr(size) != sym:
                 return None
             dims.append(d)
     return dims
@@ -60,18 +59,17 @@ def _padded_dims(value: Any, sym) -> list[int] | None:
 
 def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePadding | str:
     """The padding of one compute piece, or why it cannot be padded."""
-    arg_dims, scalars, strides = {}, {}, {}
+    arg_dims, scalars = {}, {}
     for i, value in enumerate(fake_args):
         if isinstance(value, torch.SymInt):
-            if sym in value.node.expr.free_symbols:
-                scalars[i] = value.node.expr
+            if sym in sym_expr(value).free_symbols:
+                scalars[i] = sym_expr(value)
         elif isinstance(value, torch.Tensor):
             dims = _padded_dims(value, sym)
             if dims is None or len(dims) > 1:
                 return f"{name}: input {i} has shape {tuple(value.shape)}, not one plain batch dim"
             if dims:
                 arg_dims[i] = dims[0]
-                strides[i] = tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in value.stride())
     out_dims = []
     for j, value in enumerate(fake_out if isinstance(fake_out, (tuple, list)) else (fake_out,)):
         if isinstance(value, torch.Tensor):
@@ -81,7 +79,7 @@ def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePaddin
             out_dims.append(dims[0] if dims else None)
         else:
             out_dims.append(None)
-    return PiecePadding(arg_dims, tuple(out_dims), scalars, strides)
+    return PiecePadding(arg_dims, tuple(out_dims), scalars)
 
 
 def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict,
@@ -107,10 +105,3 @@ def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict,
         out[name] = plan
     return out, None, rows.capacities
 
-
-def evaluate(expr, values: dict) -> int:
-    """An int from a sympy size expression, given every symbol's value."""
-    result = expr.xreplace(values) if hasattr(expr, "xreplace") else expr
-    if getattr(result, "free_symbols", None):
-        raise ValueError(f"cannot evaluate {expr}: no value for {sorted(map(str, result.free_symbols))}")
-    return int(result)

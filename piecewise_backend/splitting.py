@@ -30,9 +30,10 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from . import graph_facts as facts
+from .kinds import PieceKind
 from .op_names import canonical_op_name, display_name
 
-COMPUTE, SPLIT, EAGER = "compute", "split", "eager"
+COMPUTE, SPLIT, EAGER = PieceKind.COMPUTE, PieceKind.SPLIT, PieceKind.EAGER
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +42,7 @@ class PieceSpec:
 
     name: str  # submodule name in the split graph, e.g. "submod_3"
     index: int
-    kind: str  # "compute", "split" (holds a splitting op) or "eager" (only nodes that must run eagerly)
+    kind: PieceKind  # compute, split (holds a splitting op) or eager (only nodes that must run eagerly)
     split_ops: tuple[str, ...]  # splitting ops it holds
     eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
     num_ops: int

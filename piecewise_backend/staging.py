@@ -17,14 +17,12 @@ import collections
 
 import torch
 import torch.fx
-from torch.multiprocessing.reductions import StorageWeakRef
+
+from ._torch_internals import storage_ref
 
 
 def _storage(value):
-    try:
-        return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
-    except Exception:  # tensors without storage
-        return None
+    return storage_ref(value) if isinstance(value, torch.Tensor) else None
 
 
 def stage_keys(split_gm: torch.fx.GraphModule, node_values: dict, compute_names: set[str],

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import weakref
+
+from .kinds import CaptureHow
+from .registry import compiled_graphs
+from .runtime.devices import pool_bytes
 
 
 @dataclasses.dataclass
@@ -30,7 +33,7 @@ class CaptureEvent:
     """One size captured across all pieces of a graph."""
 
     key: tuple  # the shape key (batch size as captured, after padding)
-    how: str  # "lazy" (first sight in a call) or "eager" (up front / capture())
+    how: CaptureHow  # lazy (first sight in a call) or eager (up front / capture())
     seconds: float  # wall time of the capturing step (warm-up, capture and replay of every piece)
     pool_bytes: int  # graph pool bytes after it (measured by the CUDA allocator)
     pool_growth: int  # bytes the pool grew by
@@ -38,7 +41,7 @@ class CaptureEvent:
     call: int  # the graph's call count when it happened (eager captures of the first call: 1)
 
 
-@dataclasses.dataclass(eq=False)  # identity semantics: kept in a WeakSet
+@dataclasses.dataclass(eq=False)  # identity semantics
 class GraphStats:
     """Stats of one compiled Dynamo graph."""
 
@@ -106,10 +109,10 @@ class GraphStats:
             f"{self.capture_seconds:.2f} s; graph pool {self.pool_bytes / 2**20:.1f} MiB; replays: {self.replays}; "
             f"un-graphed runs: {self.ungraphed_runs}",
         ]
-        if self.padding:
-            lines.append(f"padding: {self.padding}")
         if self.graphs_disabled_reason:
             lines.append(f"CUDA graphs off: {self.graphs_disabled_reason}")
+        elif self.padding:  # without graphs nothing is padded: every batch runs at its own size
+            lines.append(f"padding: {self.padding}")
         if self.weight_sets > 1:
             lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses")
         for reason, count in self.misses.items():
@@ -130,25 +133,15 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt.format(*cols)] + [fmt.format(*row) for row in cells])
 
 
-_ALL: "weakref.WeakSet[GraphStats]" = weakref.WeakSet()
-
-
-def register(stats: GraphStats) -> GraphStats:
-    _ALL.add(stats)
-    return stats
-
-
 def capture_table() -> str:
     """Every live graph's captures as one text table (a notebook can ``print`` it)."""
-    rows = [{"graph": g.serial, **row} for g in sorted(_ALL, key=lambda g: g.serial) for row in g.rows()]
+    rows = [{"graph": g.serial, **row} for g in _all_stats() for row in g.rows()]
     return format_table(rows)
 
 
 def process_stats() -> dict:
     """Totals over every live compiled graph in this process (pool bytes: the shared pool, now)."""
-    from .cudagraphs import pool_bytes  # measured by the allocator at call time
-
-    graphs = list(_ALL)
+    graphs = _all_stats()
     misses: collections.Counter = collections.Counter()
     for g in graphs:
         misses.update(g.misses)
@@ -161,6 +154,10 @@ def process_stats() -> dict:
         "capture_seconds": sum(g.capture_seconds for g in graphs),
         "replays": sum(g.replays for g in graphs),
         "ungraphed_runs": sum(g.ungraphed_runs for g in graphs),
-        "misses": dict(misses),
+        "misses": {str(reason): count for reason, count in misses.items()},
         "pool_bytes": pool_bytes(),
     }
+
+
+def _all_stats() -> list[GraphStats]:
+    return [g.stats for g in compiled_graphs()]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from piecewise_backend import cudagraphs
+from piecewise_backend import emulated_graphs as emulating_graphs
 
 CUDA = torch.cuda.is_available()
 
@@ -29,9 +29,8 @@ def _no_grad():
 
 @pytest.fixture(scope="module")
 def emulated_graphs():
-    """CUDA graphs emulated on CPU for a whole test module (``cudagraphs._EmulatedGraph``), so the
+    """CUDA graphs emulated on CPU for a whole test module (``runtime/emulation.py``), so the
     capture, replay and padding logic runs without a GPU. A module opts in with
     ``pytestmark = pytest.mark.usefixtures("emulated_graphs")``."""
-    cudagraphs.EMULATE_ON_CPU = True
-    yield
-    cudagraphs.EMULATE_ON_CPU = False
+    with emulating_graphs():
+        yield

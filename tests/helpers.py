@@ -6,7 +6,7 @@ import torch
 
 from piecewise_backend.config import PiecewiseConfig
 from piecewise_backend.splitting import split_graph
-from piecewise_backend.toy_models import decode_loop, reset_caches
+from toys.models import decode_loop, reset_caches
 
 
 # Options for tests of the split path: decode attention stays an eager piece between the graphs.
@@ -23,7 +23,7 @@ def compile_with_reference(model_cls, cfg, options, device="cpu"):
     """
     import copy
 
-    from piecewise_backend.toy_models import init_weights_
+    from toys.models import init_weights_
 
     torch._dynamo.reset()
     start = last_serial()

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import piecewise_backend
-from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
+from toys.models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
 
-from .helpers import assert_close_steps, llama_decode
+from .helpers import assert_close_steps, graphs_since, last_serial, llama_decode
 
 CFG = ToyConfig(layers=3)
 BATCHES = (1, 3, 4)
@@ -16,11 +16,12 @@ BATCHES = (1, 3, 4)
 def llama_run():
     """One compiled ToyLlama driven at several batch sizes; the outputs of eager and compiled."""
     torch._dynamo.reset()
+    start = last_serial()
     model = init_weights_(ToyLlama(CFG)).eval()
     compiled = torch.compile(model, backend="piecewise")
     with torch.no_grad():
         runs = {b: (llama_decode(model, model, b, 5, 3), llama_decode(compiled, model, b, 5, 3)) for b in BATCHES}
-    return runs, piecewise_backend.compiled_graphs()
+    return runs, graphs_since(start)
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -45,6 +46,47 @@ def test_cpu_runs_ungraphed_and_says_why(llama_run):
         assert g.stats.captures == 0
         assert g.stats.ungraphed_runs > 0
         assert "need CUDA tensors; inputs are on cpu" in g.stats.graphs_disabled_reason
+
+
+def test_cpu_graphs_count_their_batch_sizes_and_claim_no_padding(llama_run):
+    """Without graphs nothing is padded, so the summary does not say it is; the calls per batch size
+    are still counted (they are what a user sizes capture_sizes by)."""
+    dynamic = [g for g in llama_run[1] if g.pad_position is not None]
+    assert dynamic, [g.stats.summary() for g in llama_run[1]]
+    for g in dynamic:
+        assert sum(g.stats.batch_sizes.values()) == g.stats.calls > 0, g.stats.batch_sizes
+    for g in llama_run[1]:
+        summary = g.stats.summary()
+        assert "CUDA graphs off" in summary and "padding" not in summary, summary
+        assert "padding" not in piecewise_backend.report(g).headline()
+
+
+def test_capture_on_cpu_warns_with_each_graphs_reason(llama_run, monkeypatch):
+    monkeypatch.setattr(piecewise_backend.registry, "compiled_graphs", lambda: llama_run[1])  # not other tests'
+    with pytest.warns(UserWarning, match=r"captured nothing: no compiled graph can capture up front.*"
+                                         r"graphs need CUDA tensors; inputs are on cpu"):
+        assert piecewise_backend.capture([1, 2]) == {}
+
+
+def test_a_graph_dynamo_drops_is_freed_at_once():
+    """No reference cycle holds a compiled graph: once Dynamo and the caller drop it, it goes, and with
+    it (on a GPU) its CUDA graphs' memory, without waiting for a garbage collection."""
+    import gc
+    import weakref
+
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(ToyConfig(layers=1))).eval()
+    compiled = torch.compile(model, backend="piecewise")
+    with torch.no_grad():
+        compiled(torch.randint(0, 128, (2, 3)), 0)
+    graph = weakref.ref(piecewise_backend.compiled_graphs()[-1])
+    gc.disable()
+    try:
+        torch._dynamo.reset()
+        del compiled
+        assert graph() is None, gc.get_referrers(graph())
+    finally:
+        gc.enable()
 
 
 def test_compile_count_is_independent_of_depth():

@@ -60,7 +60,7 @@ def test_interleaved_rounds_time_every_variant_each_round():
 
 def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
     """Same prefill, same positions, the same greedy tokens fed back: only the waiting differs."""
-    from piecewise_backend.timing import time_decode
+    from benchmarks.timing import time_decode
 
     model = suite.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
     runs = []
@@ -110,7 +110,7 @@ def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
     """The limit's graph reads its token ids by address, so they must live as long as the graph.
     They did not: freed when ``limit_graph`` returned, their memory went to later allocations, and
     on the H200 the replays read ids out of the vocabulary (a device-side assert at batch 8)."""
-    from piecewise_backend.toy_models import reset_caches
+    from toys.models import reset_caches
 
     model = suite.toy_model("tiny", "cuda")
     with torch.inference_mode():

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
+from piecewise_backend.kinds import Miss
+from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, Encoder, assert_results_close, compile_with_reference, decode_at_sizes, \
     graphs_since, last_serial
@@ -69,7 +69,7 @@ def test_eager_sizes_captured_largest_first_before_the_first_output(padded_run):
 
 
 def test_above_the_largest_size_runs_ungraphed_and_says_so(padded_run):
-    misses = sum(g.stats.misses[ABOVE_MAX] for g in padded_run[1])
+    misses = sum(g.stats.misses[Miss.ABOVE_MAX] for g in padded_run[1])
     assert misses == 4  # sizes 9 and 10, two steps each
     assert any("size 10 > largest capture size 8" in g.stats.summary() for g in padded_run[1])
 
@@ -86,7 +86,7 @@ def _assert_copies_per_step(graphs, per_step: int):
 
 def test_padded_replays_copy_only_what_changed(padded_run):
     # per step: token ids into the first piece, each attention output into the next piece; the
-    # RoPE rows at this step's position are gathered inside the graphs (position_writes.find_reads);
+    # RoPE rows at this step's position are gathered inside the graphs (decode/rope_reads.py);
     # the outputs of one piece feed the next in place (no copy)
     _assert_copies_per_step(padded_run[1], 1 + CFG.layers)
 
@@ -109,8 +109,8 @@ def test_budget_on_sizes_stops_capture_and_answers_right():
         results = decode_at_sizes(compiled, reference, (2, 3, 8, 8, 2))
     assert_results_close(results)
     graph = _main_graph(start)
-    assert graph.captured == {(2,), (4,)} and graph.stats.misses[OVER_BUDGET] == 4  # 2 steps at 8, twice
-    assert "max_captured_sizes=2" in graph.stats.miss_details[OVER_BUDGET]
+    assert graph.captured == {(2,), (4,)} and graph.stats.misses[Miss.OVER_BUDGET] == 4  # 2 steps at 8, twice
+    assert "max_captured_sizes=2" in graph.stats.miss_details[Miss.OVER_BUDGET]
     assert any("not capturing shape key (8,)" in str(w.message) for w in caught)
 
 
@@ -121,7 +121,7 @@ def test_lazy_off_pads_to_a_captured_size():
         results = decode_at_sizes(compiled, reference, (3, 5, 2))
     assert_results_close(results)
     for graph in _padded_graphs(start):  # every size pads to the one captured up front
-        assert graph.captured == {(8,)} and graph.stats.misses[NOT_CAPTURED] == 0
+        assert graph.captured == {(8,)} and graph.stats.misses[Miss.NOT_CAPTURED] == 0
     assert _main_graph(start).stats.replays > 0
 
 
@@ -131,7 +131,7 @@ def test_padding_off_graphs_only_exact_sizes():
         results = decode_at_sizes(compiled, reference, (3, 4, 3))
     assert_results_close(results)
     graph = _main_graph(start)
-    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+    assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 3
 
 
 class BatchNormalised(torch.nn.Module):
@@ -158,7 +158,7 @@ def test_a_graph_that_reduces_over_the_batch_is_never_padded():
             torch.testing.assert_close(compiled(x), net(x))
     graph = _padded_graphs(start)[-1]
     assert "reduces over the batch" in graph.stats.padding
-    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+    assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 3
 
 
 def test_explicit_capture_and_its_errors():
@@ -193,7 +193,7 @@ def test_full_mode_static_cache_is_one_piece_and_right_at_every_size():
     for graph in graphs_since(start):
         assert graph.stats.num_pieces == 1 and graph.stats.num_compute_pieces == 1
     for graph in _padded_graphs(start):
-        # its index_copy_ cache writes replay masked to the caller's rows (position_writes.py), so it pads
+        # its index_copy_ cache writes replay masked to the caller's rows (decode/kv_writes.py), so it pads
         assert "padded" in graph.stats.padding and graph.captured <= {(2,), (4,), (8,)}
         assert graph.stats.replays > 0
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
@@ -222,7 +222,7 @@ def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monke
     import gc
     import weakref
 
-    from piecewise_backend import backend, release_graphs
+    from piecewise_backend import registry, release_graphs
 
     compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4, 8]})
     with torch.no_grad():
@@ -230,7 +230,7 @@ def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monke
     graphs = _padded_graphs(start)
     alive = [weakref.ref(c.graph) for g in graphs for r in g.runners.values() for c in r.captures.values()]
     assert alive and all(ref() is not None for ref in alive)
-    monkeypatch.setattr(backend, "compiled_graphs", lambda: graphs)  # leave other tests' graphs alone
+    monkeypatch.setattr(registry, "compiled_graphs", lambda: graphs)  # leave other tests' graphs alone
     keys = sum(len(g.captured) for g in graphs)
     assert keys >= 2 and release_graphs() == keys
     gc.collect()

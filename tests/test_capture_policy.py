@@ -3,7 +3,8 @@
 import pytest
 
 from piecewise_backend import PiecewiseConfig
-from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, NOT_CAPTURED, OVER_BUDGET, CapturePolicy
+from piecewise_backend.kinds import Miss
+from piecewise_backend.runtime.capture_policy import CapturePolicy
 from piecewise_backend.config import scheme_sizes
 
 
@@ -62,7 +63,7 @@ def test_plan_pads_captures_and_misses():
     assert (plan.key, plan.size, plan.padded, plan.capture) == ((4,), 3, True, True)
     plan = policy.plan((3,), {(4,)}, lambda: 0)
     assert (plan.key, plan.padded, plan.capture) == ((4,), True, False)
-    assert policy.plan((9,), set(), lambda: 0).miss == ABOVE_MAX
+    assert policy.plan((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
 
 
 def test_pad_position_leaves_other_dynamic_sizes_exact():
@@ -73,24 +74,24 @@ def test_pad_position_leaves_other_dynamic_sizes_exact():
 def test_lazy_off_pads_to_the_smallest_captured_size():
     policy = _policy(capture_sizes=[2, 4, 8], lazy_capture=False)
     assert policy.plan((3,), {(8,)}, lambda: 0).key == (8,)
-    assert policy.plan((3,), {(2,)}, lambda: 0).miss == NOT_CAPTURED
+    assert policy.plan((3,), {(2,)}, lambda: 0).miss == Miss.NOT_CAPTURED
 
 
 def test_padding_off_serves_exact_sizes_only():
     policy = _policy(no_padding="x.sum(0) reduces over the batch", capture_sizes=[2, 4, 8])
     plan = policy.plan((3,), set(), lambda: 0)
-    assert plan.miss == NOT_A_CAPTURE_SIZE and "reduces over the batch" in plan.detail
+    assert plan.miss == Miss.NOT_A_CAPTURE_SIZE and "reduces over the batch" in plan.detail
     assert policy.plan((4,), set(), lambda: 0).capture
 
 
 def test_budget_refuses_by_count_and_by_measured_bytes():
     policy = _policy(capture_sizes=[2, 4, 8], max_captured_sizes=1)
     plan = policy.plan((4,), {(2,)}, lambda: 0)
-    assert plan.miss == OVER_BUDGET and "max_captured_sizes=1" in plan.detail
+    assert plan.miss == Miss.OVER_BUDGET and "max_captured_sizes=1" in plan.detail
 
     policy = _policy(capture_sizes=[2, 4, 8], max_graph_memory=100 * 2**20)
     assert policy.plan((2,), set(), lambda: 0).capture  # nothing measured yet: allowed
     policy.budget.record(2, 30 * 2**20)  # size 2 grew the pool by 30 MiB: 15 MiB per row
     assert policy.plan((4,), {(2,)}, lambda: 30 * 2**20).capture  # 30 + 60 <= 100
     plan = policy.plan((8,), {(2,), (4,)}, lambda: 90 * 2**20)  # 90 + 120 > 100
-    assert plan.miss == OVER_BUDGET and "90.0 MiB" in plan.detail and "100.0 MiB" in plan.detail
+    assert plan.miss == Miss.OVER_BUDGET and "90.0 MiB" in plan.detail and "100.0 MiB" in plan.detail

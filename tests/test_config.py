@@ -45,7 +45,7 @@ def test_unregistered_op_is_rejected_with_defaults_listed():
 
 
 def test_registered_custom_op_is_accepted_and_overload_stripped():
-    import piecewise_backend.toy_models  # noqa: F401  registers toyattn::attention
+    import toys.models  # noqa: F401  registers toyattn::attention
 
     cfg = PiecewiseConfig.from_options({"extra_splitting_ops": ["toyattn::attention.default"]})
     assert cfg.all_splitting_ops == frozenset(DEFAULT_SPLITTING_OPS) | {"toyattn::attention"}

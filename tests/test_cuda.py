@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import piecewise_backend
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
+from toys.models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
 
 from .helpers import SPLIT_ATTENTION, assert_close_steps, llama_decode
 

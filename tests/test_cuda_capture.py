@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import piecewise_backend
-from piecewise_backend import cudagraphs
-from piecewise_backend.capture_policy import ABOVE_MAX, NOT_A_CAPTURE_SIZE, OVER_BUDGET
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama, sdpa_backends
+from piecewise_backend.kinds import Miss
+from piecewise_backend.runtime.devices import device_graphs
+from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama, sdpa_backends
 
 from .helpers import Encoder, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
     graphs_since, last_serial
@@ -53,7 +53,7 @@ def test_every_size_up_to_max_plus_10_matches_eager(every_size):
 
 
 def test_kv_writes_in_the_graphs_leave_the_cache_as_eager_does(every_size):
-    # position_writes.py: the writes replay inside the compute pieces, padded rows masked
+    # decode/kv_writes.py: the writes replay inside the compute pieces, padded rows masked
     graphs = [g for g in every_size[1] if g.pad_position is not None and g.stats.calls > 1]
     assert graphs and all(g.step_scalars is not None for g in graphs)
     compiled, reference = every_size[3], every_size[4]
@@ -70,10 +70,10 @@ def test_captures_equal_the_distinct_buckets_touched(every_size):
         expected = _buckets(graph.stats.batch_sizes, (1, 2, 4, 8, 16)) | {(MAX,), (2,)}
         assert graph.captured == expected, graph.stats.table()
         assert graph.stats.captures == len(graph.captured) * graph.stats.num_compute_pieces
-        assert graph.stats.misses[ABOVE_MAX] == sum(n for s, n in graph.stats.batch_sizes.items() if s > MAX)
+        assert graph.stats.misses[Miss.ABOVE_MAX] == sum(n for s, n in graph.stats.batch_sizes.items() if s > MAX)
         assert not graph.stats.failed_captures
         assert graph.stats.pool_bytes > 0  # measured by the allocator
-    assert sum(g.stats.misses[ABOVE_MAX] for g in graphs) == 2 * 10  # sizes 17..26, two steps each
+    assert sum(g.stats.misses[Miss.ABOVE_MAX] for g in graphs) == 2 * 10  # sizes 17..26, two steps each
     assert piecewise_backend.process_stats()["pool_bytes"] > 0
 
 
@@ -93,7 +93,7 @@ def test_one_info_line_per_capture(every_size):
 
 
 def test_memory_budget_stops_capture_and_the_model_still_answers_right():
-    cudagraphs.shared_graph_pool(torch.device("cuda"))  # the pool exists (its keeper holds a segment)
+    device_graphs(torch.device("cuda")).pool  # the pool exists (its keeper holds a segment)
     cap = piecewise_backend.pool_bytes() - 1  # below what the pool already holds
     compiled, reference, start = _compile(ToyLlama, {"max_capture_size": MAX, "max_graph_memory": cap})
     with torch.no_grad(), sdpa_backends("cuda"), warnings.catch_warnings(record=True) as caught:
@@ -102,7 +102,7 @@ def test_memory_budget_stops_capture_and_the_model_still_answers_right():
     assert_results_close(results, **TOL)
     graphs = graphs_since(start)
     assert all(not g.captured for g in graphs)
-    assert sum(g.stats.misses[OVER_BUDGET] for g in graphs) == 6
+    assert sum(g.stats.misses[Miss.OVER_BUDGET] for g in graphs) == 6
     assert any("max_graph_memory" in str(w.message) and "MiB" in str(w.message) for w in caught)
 
 
@@ -127,7 +127,7 @@ def test_full_mode_static_cache_is_right_at_every_size():
     for graph in dynamic:  # its index_copy_ cache writes replay masked to the caller's rows: padded
         assert "padded" in graph.stats.padding and graph.step_scalars is not None
         assert graph.captured == _buckets(graph.stats.batch_sizes, (1, 2, 4, 8, 16))
-        assert graph.stats.misses[NOT_A_CAPTURE_SIZE] == 0
+        assert graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 0
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
         torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache, **TOL)
         torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache, **TOL)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.cuda
 # batch 1: the shapes that made cuBLAS use its workspace there; two layers keep the compile short.
 CHILD = r"""
 import torch
-from piecewise_backend.toy_models import BENCHMARK_SIZES, ToyConfig, ToyLlama, init_weights_, sdpa_backends
+from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, init_weights_, sdpa_backends
 from tests.helpers import llama_decode
 
 cfg = ToyConfig(**{**BENCHMARK_SIZES["16L"], "layers": 2}, max_batch=2, max_seq=64)

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, sdpa_backends
+from toys.models import ToyConfig, ToyLlama, sdpa_backends
 
 from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from piecewise_backend.graph_attention import prefix_attention
-from piecewise_backend.toy_models import ToyConfig, ToyLlama
+from piecewise_backend.decode.graph_attention import prefix_attention
+from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \
     decode_at_sizes, graphs_since, llama_decode
@@ -49,8 +49,8 @@ def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, lengt
 @pytest.mark.parametrize("kernel", ["split_key_triton", "efficient_varlen"])
 @pytest.mark.parametrize("buffer_len,length", PREFIXES)
 def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, length):
-    from piecewise_backend import decode_kernel
-    from piecewise_backend.graph_attention import _efficient_prefix_attention
+    from piecewise_backend.decode import kernel as decode_kernel
+    from piecewise_backend.decode.graph_attention import _efficient_prefix_attention
 
     if kernel == "split_key_triton" and not decode_kernel.available():
         pytest.skip("Triton is not installed")
@@ -64,7 +64,7 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
 
 INTERPRETED_CHECK = """
 import torch, torch.nn.functional as F
-from piecewise_backend import decode_kernel
+from piecewise_backend.decode import kernel as decode_kernel
 g = torch.Generator().manual_seed(0)
 cases = [(1, 4, 300, 64, 1, 132), (1, 4, 300, 64, 65, 132), (2, 3, 130, 32, 130, 4), (3, 2, 40, 48, 17, 132),
          (1, 16, 304, 64, 280, 132)]

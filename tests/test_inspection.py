@@ -6,8 +6,7 @@ import pytest
 import torch
 
 import piecewise_backend
-from piecewise_backend import cudagraphs
-from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyLlama, init_weights_
+from toys.models import ToyConfig, ToyCustomAttentionLlama, ToyLlama, init_weights_
 
 CFG = ToyConfig(layers=3)
 
@@ -70,15 +69,12 @@ def test_report_of_the_last_compiled_graph_and_unknown_piece(llama_report):
 
 def test_graphed_and_captured_columns_with_emulated_graphs():
     torch._dynamo.reset()
-    cudagraphs.EMULATE_ON_CPU = True
-    try:
+    with piecewise_backend.emulated_graphs():
         model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
         ids = torch.randint(0, CFG.vocab, (4, 1))
         torch._dynamo.mark_dynamic(ids, 0)
         (report,) = piecewise_backend.inspect_split(model, ids, 0, options={
             "extra_splitting_ops": ["toyattn::attention"], "capture_sizes": [2, 4]})
-    finally:
-        cudagraphs.EMULATE_ON_CPU = False
     compute = [p for p in report.pieces if p.kind == "compute"]
     assert all(p.graphed and p.captured == ((4,),) for p in compute)
     assert [p.label for p in report.pieces if p.kind == "split"] == ["attention"] * CFG.layers
@@ -98,3 +94,17 @@ def test_depyf_dump_holds_the_split_graph_and_every_piece(tmp_path):
         assert any(f"piecewise_{name}" in f for f in files), (name, files)
     assert any("kernel" in f for f in files)  # Inductor's code
     assert any(f.startswith("__transformed_code") for f in files)  # Dynamo's bytecode
+
+
+def test_depyf_dump_after_inspect_split_says_it_wrote_nothing(tmp_path):
+    """inspect_split compiled the model; the same call in a debug_dump block reuses that compile, so
+    depyf gets none of our graphs: the block says so instead of leaving an empty folder unexplained."""
+    pytest.importorskip("depyf")
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(ToyConfig(layers=1))).eval()
+    ids = torch.randint(0, 128, (2, 4))
+    piecewise_backend.inspect_split(model, ids, 0)
+    with pytest.warns(UserWarning, match=r"nothing was compiled inside the block.*torch._dynamo.reset\(\)"):
+        with piecewise_backend.debug_dump(str(tmp_path)), torch.no_grad():
+            torch.compile(model, backend="piecewise")(ids, 0)
+    assert not any("piecewise_split_graph" in f for f in os.listdir(tmp_path))

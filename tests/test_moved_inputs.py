@@ -13,8 +13,8 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend.capture_policy import WEIGHTS_MOVED
-from piecewise_backend.toy_models import ToyConfig, ToyLlama
+from piecewise_backend.kinds import Miss
+from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
 
@@ -92,7 +92,7 @@ def test_one_compiled_function_alternating_two_models_weights():
             assert torch.equal(p, saved[id(p)])
     graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2
-    assert graph.stats.replays > 0 and not graph.stats.misses[WEIGHTS_MOVED]
+    assert graph.stats.replays > 0 and not graph.stats.misses[Miss.WEIGHTS_MOVED]
 
 
 def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
@@ -107,8 +107,8 @@ def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
             for net in nets:
                 _calls(lambda x: compiled(net, x), net, sizes=(4,))
     graph = busiest_graph(start)
-    assert graph.stats.misses[WEIGHTS_MOVED] == 2  # the third model, twice
-    assert "max_weight_sets=2" in graph.stats.miss_details[WEIGHTS_MOVED]
+    assert graph.stats.misses[Miss.WEIGHTS_MOVED] == 2  # the third model, twice
+    assert "max_weight_sets=2" in graph.stats.miss_details[Miss.WEIGHTS_MOVED]
     assert len([w for w in caught if "max_weight_sets=2" in str(w.message)]) == 1
 
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from piecewise_backend.capture_policy import NOT_A_CAPTURE_SIZE
-from piecewise_backend.toy_models import ToyConfig, ToyLlama
+from piecewise_backend.kinds import Miss
+from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
 
@@ -63,7 +63,7 @@ class BatchStatistics(torch.nn.Module):
 def test_hand_written_attention_over_the_batch_is_never_padded():
     graph = _run_at_sizes(HandWrittenAttention().eval(), (3, 5, 5, 4))
     assert "rows meet rows" in graph.stats.padding and "matmul" in graph.stats.padding
-    assert graph.captured == {(4,)} and graph.stats.misses[NOT_A_CAPTURE_SIZE] == 3
+    assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 3
 
 
 def test_batch_norm_with_batch_statistics_is_never_padded():

@@ -22,3 +22,15 @@ def test_notebook_executes(path):
     outputs = [o for cell in notebook.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     assert outputs  # it showed something
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_is_committed_with_its_outputs(path):
+    """A reader on GitHub sees the tables and pictures without running anything."""
+    nbformat = pytest.importorskip("nbformat")
+    notebook = nbformat.read(path, as_version=4)
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert all(cell.execution_count is not None for cell in code), "a cell was never run"
+    outputs = [o for cell in code for o in cell.get("outputs", [])]
+    assert any("image/png" in o.get("data", {}) for o in outputs), "no picture"
+    assert not [o for o in outputs if o.get("output_type") == "error"]

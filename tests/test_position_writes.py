@@ -1,4 +1,4 @@
-"""KV-cache writes at a per-step position, moved into the captured compute pieces (position_writes.py).
+"""KV-cache writes at a per-step position, moved into the captured compute pieces (decode/kv_writes.py).
 
 On CPU with emulated graphs: the writes leave the eager pieces, the cache ends up exactly as eager
 leaves it (padded rows written back unchanged), up-front capture writes nothing, an out-of-range
@@ -10,9 +10,9 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend.position_writes import PLACEHOLDER
+from piecewise_backend.decode import PLACEHOLDER
 from piecewise_backend.splitting import COMPUTE
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
+from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
     graphs_since

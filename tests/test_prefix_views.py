@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from piecewise_backend.splitting import COMPUTE
-from piecewise_backend.toy_models import ToyConfig, ToyLlama, ToyStaticCacheLlama
+from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
     last_serial

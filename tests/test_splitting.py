@@ -3,7 +3,7 @@
 import torch
 
 from piecewise_backend.splitting import COMPUTE, EAGER, SPLIT
-from piecewise_backend.toy_models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
+from toys.models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
 
 from .helpers import split_only
 

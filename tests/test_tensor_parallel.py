@@ -4,7 +4,7 @@ The all-reduces are functional collectives inside the compute pieces; with emula
 each replay runs them, as a CUDA graph replay runs NCCL's. Checked: both ranks' logits equal the
 whole model's over a decode loop whose batch size changes (padded sizes included), and a budget
 that only one rank has still makes both capture exactly the same sizes (distributed.py). The same
-check runs on GPUs with ``torchrun --nproc-per-node 2 -m piecewise_backend.toy_parallel``.
+check runs on GPUs with ``torchrun --nproc-per-node 2 -m toys.parallel`` (from the repository root).
 """
 
 import json
@@ -31,7 +31,7 @@ def _free_port() -> int:
 def _fail_capture_at(key: tuple, nth: int) -> None:
     """Make this process's ``nth`` piece capture at ``key`` fail once the graph is built (where a
     CUDA capture fails: after the warm-up, at capture), as a capture error on one rank only would."""
-    from piecewise_backend.cudagraphs import PieceRunner
+    from piecewise_backend.runtime.piece_runner import PieceRunner
 
     record, seen = PieceRunner._record, []
 
@@ -49,13 +49,13 @@ def _fail_capture_at(key: tuple, nth: int) -> None:
 def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        from piecewise_backend import cudagraphs
-        from piecewise_backend.toy_parallel import decode_check
+        from piecewise_backend import emulated_graphs
+        from toys.parallel import decode_check
 
-        cudagraphs.EMULATE_ON_CPU = emulate
         if fail_at is not None and fail_at[0] == rank:
             _fail_capture_at(*fail_at[1:])
-        result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank])
+        with emulated_graphs(emulate):
+            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank])
         import piecewise_backend
 
         result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
@@ -117,7 +117,7 @@ def test_ranks_agree_on_what_to_capture(two_ranks):
 
 
 def test_a_graph_without_collectives_decides_alone():
-    from piecewise_backend.distributed import collective_groups, rank_agreement
+    from piecewise_backend.runtime.distributed import collective_groups, rank_agreement
 
     graph = torch.fx.symbolic_trace(torch.nn.Linear(4, 4)).graph
     assert collective_groups(graph) == [] and rank_agreement(graph) is None
@@ -143,14 +143,15 @@ def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
     capturing out of step would end in the timeout instead."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    from piecewise_backend.toy_parallel import MULTICAST_OFF
+    from toys.parallel import MULTICAST_OFF
 
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               "-m", "piecewise_backend.toy_parallel"]
+               "-m", "toys.parallel"]
     # its own process group, so a hang (ranks out of step, or a rank that never exits) can be
     # killed whole: torchrun's workers would otherwise keep the GPUs
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True, env={**os.environ, **MULTICAST_OFF})
+                           start_new_session=True, env={**os.environ, **MULTICAST_OFF},
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # toys/ importable
     try:
         stdout, stderr = run.communicate(timeout=300)
     except subprocess.TimeoutExpired:

@@ -11,14 +11,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from .config import PiecewiseConfig
-from .distributed import agreed_refusal
-
-ABOVE_MAX = "above the largest capture size"
-NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
-NOT_CAPTURED = "not captured and lazy_capture=False"
-OVER_BUDGET = "over the capture budget"
-WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
+from ..config import PiecewiseConfig
+from ..kinds import Miss
+from .distributed import RankAgreement, agreed_refusal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +26,7 @@ class Plan:
         size: the caller's batch size, which outputs are sliced back to.
         padded: the key's batch size is larger than the caller's.
         capture: no graph exists for ``key`` yet; this call captures it.
-        miss: why the call runs un-graphed: one of this module's reason strings (stats count by it).
+        miss: why the call runs un-graphed (stats count by it).
         detail: the reason with its numbers, for people.
     """
 
@@ -39,7 +34,7 @@ class Plan:
     size: int | None = None
     padded: bool = False
     capture: bool = False
-    miss: str | None = None
+    miss: Miss | None = None
     detail: str | None = None
 
 
@@ -98,7 +93,7 @@ class CapturePolicy:
     """
 
     def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
-                 agreement=None, row_limit=None):
+                 agreement: RankAgreement | None = None, row_limit=None):
         self.sizes = config.sizes
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
@@ -135,8 +130,8 @@ class CapturePolicy:
         bucket = self.bucket(size, rows)
         if bucket is None:
             if size > self.sizes[-1]:
-                return Plan(None, size, miss=ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
-            return Plan(None, size, miss=NOT_A_CAPTURE_SIZE, detail=f"size {size}: {self.no_padding_reason}")
+                return Plan(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
+            return Plan(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: {self.no_padding_reason}")
         bucket_key = self.with_size(key, bucket)
         if bucket_key in captured:
             return Plan(bucket_key, size, padded=bucket != size)
@@ -147,7 +142,7 @@ class CapturePolicy:
                 larger_key = self.with_size(key, larger)
                 if larger_key in captured:
                     return Plan(larger_key, size, padded=larger != size)
-            return Plan(None, size, miss=NOT_CAPTURED, detail=f"no captured size >= {size}")
+            return Plan(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
         return self.admit(bucket_key, captured, pool_bytes, size)
 
     def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None) -> Plan:
@@ -159,5 +154,5 @@ class CapturePolicy:
                                  "another rank of this graph's collective group is over its capture budget; "
                                  "every rank skips this size so their collectives stay paired")
         if refusal:
-            return Plan(None, size, miss=OVER_BUDGET, detail=refusal)
+            return Plan(None, size, miss=Miss.OVER_BUDGET, detail=refusal)
         return Plan(key, size, padded=bucket != size, capture=True)

@@ -7,7 +7,7 @@ are replicated. The all-reduces are torch's *functional* collectives, which Dyna
 graph, so they land inside compute pieces and are captured in the CUDA graphs with them (NCCL
 supports capture); the attention between stays eager per rank, on its own heads.
 
-Run it on two GPUs with ``torchrun --nproc-per-node 2 -m piecewise_backend.toy_parallel`` (NCCL), or
+Run it on two GPUs with ``torchrun --nproc-per-node 2 -m toys.parallel`` (NCCL), or
 on a CPU with gloo (the tests do, with emulated graphs).
 """
 
@@ -20,7 +20,7 @@ import os
 import torch
 from torch import nn
 
-from .toy_models import BENCHMARK_SIZES, LlamaAttention, LlamaLayer, LlamaMLP, ToyConfig, ToyLlama, init_weights_, \
+from .models import BENCHMARK_SIZES, LlamaAttention, LlamaLayer, LlamaMLP, ToyConfig, ToyLlama, init_weights_, \
     reset_caches, sdpa_backends
 
 
@@ -140,7 +140,7 @@ def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int =
     Why: on several GPUs every layer adds two all-reduces to the launches a step makes, so the
     host-bound decode step gains at least as much from graphs as on one GPU; this measures it.
     """
-    from .timing import time_decode
+    from benchmarks.timing import time_decode  # run from the checkout's root, as torchrun -m does
 
     cfg = ToyConfig(**model, max_batch=batch, max_seq=prompt + steps + 1)
     _, shard = toy_and_shard(cfg, rank, world, device, torch.bfloat16)
@@ -155,13 +155,13 @@ def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int =
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m piecewise_backend.toy_parallel [--time]``: one JSON line per
+    """``torchrun --nproc-per-node N -m toys.parallel [--time]``: one JSON line per
     rank and check (``--time`` adds :func:`time_check`'s at batch 1 and 8)."""
     import argparse
 
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser(prog="python -m piecewise_backend.toy_parallel")
+    parser = argparse.ArgumentParser(prog="python -m toys.parallel")
     parser.add_argument("--time", action="store_true", help="also time the 16-layer shard, eager vs piecewise")
     args = parser.parse_args(argv)
     for name, value in MULTICAST_OFF.items():

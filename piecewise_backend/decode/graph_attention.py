@@ -5,7 +5,7 @@ every step, which is why attention is split out and run eagerly. On the H200 mac
 SDPA costs ~30 µs of host time per layer (selection, allocations, two kernels), plus a copy of its
 output into the next graph: most of a small model's step. The same attention can read its length
 from device memory: ``piecewise::prefix_attention(q, k_cache, v_cache, length)`` runs on CUDA
-the split-key Triton kernel of ``decode_kernel.py`` (flash-decoding with a device length), or,
+the split-key Triton kernel of ``kernel.py`` (flash-decoding with a device length), or,
 without Triton, the memory-efficient kernel in its variable-length form with ``seqlen_k =
 length``. Both stop at the live prefix (their cost follows the live length, not the buffer's) and
 launch the same way at every step. It can be captured, so the decode step becomes one graph.
@@ -34,8 +34,9 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from . import graph_facts as facts
-from .op_names import canonical_op_name
+from .. import _torch_internals
+from .. import graph_facts as facts
+from ..op_names import canonical_op_name
 
 
 @torch.library.custom_op("piecewise::prefix_attention", mutates_args=())
@@ -45,10 +46,10 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     batch = q.shape[0]
     keys, values = k_cache[:batch], v_cache[:batch]
     if q.is_cuda:
-        from . import decode_kernel  # imports Triton: only when a GPU step needs it
+        from . import kernel  # imports Triton: only when a GPU step needs it
 
-        if decode_kernel.available():
-            return decode_kernel.prefix_attention(q, keys, values, length)
+        if kernel.available():
+            return kernel.prefix_attention(q, keys, values, length)
         return _efficient_prefix_attention(q, keys, values, length)
     mask = (torch.arange(keys.shape[2], device=q.device) < length).view(1, -1)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).contiguous()
@@ -110,7 +111,7 @@ def _same_size(rows, batch) -> bool:
     """Is the views' row prefix (a node, an int or None) the query's batch size?"""
     value = facts.example_value(rows) if isinstance(rows, torch.fx.Node) else rows
     if isinstance(value, torch.SymInt) and isinstance(batch, torch.SymInt):
-        return value.node.expr == batch.node.expr
+        return _torch_internals.sym_expr(value) == _torch_internals.sym_expr(batch)
     return value == batch
 
 

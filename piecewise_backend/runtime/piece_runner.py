@@ -1,4 +1,4 @@
-"""Lazy per-shape CUDA graphs for compiled compute pieces.
+"""One compiled compute piece, replayed from one CUDA graph per shape key: the runner and the step.
 
 Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagraph_trees):
 
@@ -7,11 +7,13 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   every piece has seen the key (all replay) or none has (all capture, in execution order). That
   makes sharing one pool safe: a capture never allocates over memory that a replayed piece's output
   still occupies, because in a capturing step every earlier output is a real, owned tensor.
-* **One pool for everything.** ``torch.cuda.graph_pool_handle()`` is shared by every piece, size
-  and compiled graph in the process. Captured outputs are kept only as non-owning aliases, so once
-  the step that captured them ends, their memory goes back to the pool for the next capture.
-* **No gc.collect()/empty_cache() per capture.** ``torch.cuda.graph`` runs both on every capture
-  (seconds per size in vLLM's measurements); we drive ``CUDAGraph.capture_begin/end`` directly.
+* **The step protocol.** The compiled graph tells its runners what the current call is through
+  one :class:`StepState`, and only through its three methods: :meth:`StepState.ungraphed`,
+  :meth:`StepState.replay` (a key, maybe padded) and :meth:`StepState.capturing` (fresh
+  per-capture state). The runners read it; nothing else writes it.
+* **One pool and one stream per device** (``devices.py``). Captured outputs are kept only as
+  non-owning aliases, so once the step that captured them ends, their memory goes back to the pool
+  for the next capture.
 * **Inputs.** Parameters and buffers are captured in place; the compiled graph replays a key only
   while every one of them is at the address it was captured with (``weight_sets.py``), so a runner
   never checks them and never writes them. Outputs of earlier captured pieces are captured in
@@ -35,49 +37,21 @@ import dataclasses
 import logging
 import time
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from . import _torch_internals
-from .distributed import agreed_refusal
-from .padding import PiecePadding, evaluate
-from .precapture import symbol_values
-from .stats import PieceStats
+from .. import _torch_internals
+from ..stats import PieceStats
+from ..symbolic import evaluate, strides_at, symbol_values
+from .devices import device_graphs
+from .distributed import RankAgreement, agreed_refusal
+from .emulation import EmulatedGraph, as_tuple
+
+if TYPE_CHECKING:
+    from ..plan import PiecePlan
 
 log = logging.getLogger("piecewise_backend")
-
-_POOLS: dict[int, Any] = {}
-_RETIRED_POOLS: list = []  # (device index, handle, keeper) of pools given up after a failed capture
-
-# Tests only: run the runners' capture/replay/padding logic on CPU with _EmulatedGraph standing in
-# for torch.cuda.CUDAGraph, so CI (no GPU) checks padding, slicing and capture policy against eager.
-EMULATE_ON_CPU = False
-
-
-class _EmulatedGraph:
-    """A CPU stand-in for a CUDA graph: replay re-runs the piece on the captured input buffers and
-    copies the results into the captured outputs, so addresses stay fixed exactly as a graph's do."""
-
-    def __init__(self, fn: Callable, args: list):
-        self.fn, self.args = fn, args
-        self.outputs = _as_tuple(fn(*args))
-
-    def replay(self) -> None:
-        flat = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)
-        fresh = _as_tuple(self.fn(*self.args))
-        for old, new in zip(flat, fresh if isinstance(fresh, tuple) else (fresh,)):
-            if isinstance(old, torch.Tensor):
-                old.copy_(new)
-
-
-def _as_tuple(outputs):
-    """Compiled pieces return a *list* of outputs (AOTAutograd); treat it like split_module's tuple.
-
-    (Treating the list as one opaque output kept every captured output alive and hid them from the
-    next piece, which then copied its input at every replay.)
-    """
-    return tuple(outputs) if isinstance(outputs, list) else outputs
 
 
 def _alias(t: torch.Tensor, size=None) -> torch.Tensor:
@@ -87,122 +61,9 @@ def _alias(t: torch.Tensor, size=None) -> torch.Tensor:
     return t.as_strided(size if size is not None else t.shape, t.stride(), t.storage_offset())
 
 
-def synchronize(device: torch.device | str) -> None:
-    """Wait for the GPU (a no-op for CPU devices)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
-
-
-_CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _capture_stream(index: int) -> torch.cuda.Stream:
-    """The one side stream every capture (and the warm-up before it) runs on, per device.
-
-    ``torch.cuda.graph`` takes a fresh stream per capture. cuBLAS keeps a workspace per stream, and
-    the first matmul on a new stream allocates it, inside the capture, so from the graph pool and
-    for good: on the H200 that was about 1 GB of pool for one size of a 16-layer model. On one
-    stream, each capture frees the workspace the previous one left (see
-    :func:`capture_on_side_stream`) and allocates one again, of the same size, in the same pool.
-    """
-    if index not in _CAPTURE_STREAMS:
-        _CAPTURE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _CAPTURE_STREAMS[index]
-
-
-def capture_on_side_stream(graph: torch.cuda.CUDAGraph, pool, fn: Callable[[], Any], warmup_runs: int = 0,
-                           device_index: int | None = None, after_warmup: Callable[[], None] | None = None):
-    """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` (memory from ``pool``), on
-    the device's capture stream; return the captured call's result.
-
-    What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
-    (seconds per size in vLLM's measurements) and its new stream per capture. ``capture_end``
-    always runs: a capture left open poisons every later one. cuBLAS's workspaces are freed just
-    before ``capture_begin``, so the captured matmuls use a workspace from ``pool``, never one that
-    someone else can free under the graph (:func:`_torch_internals.free_cublas_workspaces`).
-    """
-    side = _capture_stream(torch.cuda.current_device() if device_index is None else device_index)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_runs):
-            fn()
-        if after_warmup is not None:
-            after_warmup()
-        _torch_internals.free_cublas_workspaces()
-        graph.capture_begin(pool=pool)
-        try:
-            result = fn()
-        finally:
-            graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    return result
-
-
-def shared_graph_pool(device: torch.device):
-    """The process-wide graph memory pool of one device (created on first use).
-
-    A pool lives only while some graph captured into it lives; once the last one dies (e.g. after
-    ``torch._dynamo.reset()``) the allocators free it, and capturing into the stale handle trips
-    their asserts (seen on torch 2.11: ``use_count > 0 INTERNAL ASSERT FAILED`` in the device and the
-    pinned-host allocator; a ``torch.cuda.MemPool`` keeps only the device side alive). So the pool
-    is opened with a one-kernel *keeper* graph that this module holds for the life of the process.
-    """
-    index = _device_index(device)
-    if index not in _POOLS:
-        with torch.cuda.device(index):
-            handle = torch.cuda.graph_pool_handle()
-            keeper = torch.cuda.CUDAGraph()
-            capture_on_side_stream(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{index}").add_(1),
-                                   device_index=index)
-            _POOLS[index] = (handle, keeper)
-    return _POOLS[index][0]
-
-
-def recover_after_failed_capture(device: torch.device) -> None:
-    """Leave no trace of a capture that raised, so later captures work.
-
-    A failed capture can leave the allocator recording into the pool and the CUDA RNG in capture
-    mode (then any random op raises "Offset increment outside graph capture encountered
-    unexpectedly"; seen on torch 2.11). We stop the recording, retire the pool (graphs already
-    captured in it keep working: their memory stays reserved) and open a fresh one right away:
-    its keeper capture is a capture that succeeds, which puts the RNG state back.
-    """
-    index = _device_index(device)
-    entry = _POOLS.pop(index, None)
-    if entry is None:
-        return
-    _RETIRED_POOLS.append((index, *entry))
-    _torch_internals.stop_pool_recording(index, entry[0])
-    torch.cuda.synchronize(index)
-    shared_graph_pool(device)
-
-
-def pool_bytes(device: torch.device | int | None = None) -> int:
-    """Bytes the CUDA allocator holds for this package's graph pools on ``device`` (0 if none yet).
-
-    Measured, not estimated: the sum of the pools' segments in ``torch.cuda.memory_snapshot()``.
-    Segments stay with the pool once allocated, so this is its high-water mark.
-    """
-    if not torch.cuda.is_available():
-        return 0
-    index = device if isinstance(device, int) else _device_index(device or torch.device("cuda"))
-    handles = {tuple(h) for i, h, _ in _RETIRED_POOLS if i == index}
-    if index in _POOLS:
-        handles.add(tuple(_POOLS[index][0]))
-    if not handles:
-        return 0
-    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-               if seg.get("device") == index and tuple(seg.get("segment_pool_id", ())) in handles)
-
-
 @dataclasses.dataclass
 class StepState:
-    """What the stitched graph tells every runner about the current call."""
+    """What the compiled graph tells every runner about the current call (see "The step protocol")."""
 
     graphing: bool = False
     key: tuple = ()  # the shape key of the graphs to replay or capture
@@ -214,6 +75,21 @@ class StepState:
     staged: dict = dataclasses.field(default_factory=dict)  # stage key -> buffer (capturing calls)
     refreshed: dict = dataclasses.field(default_factory=dict)  # stage key -> source address copied this call
 
+    def ungraphed(self) -> None:
+        """This call runs every piece compiled but un-graphed."""
+        self.graphing = False
+
+    def replay(self, key: tuple, size: int | None, padded: bool) -> None:
+        """This call replays (or, for pieces without a graph of ``key``, captures) the graphs of ``key``."""
+        self.graphing, self.key, self.size, self.padded = True, key, size, padded
+        self.refreshed.clear()
+
+    def capturing(self, key_size: int | None, sym_values: dict) -> None:
+        """This call captures: no output of an earlier capture is in the pool for it yet."""
+        self.pool_ptrs.clear()
+        self.staged.clear()
+        self.key_size, self.sym_values = key_size, sym_values
+
 
 @dataclasses.dataclass
 class _Captured:
@@ -222,14 +98,6 @@ class _Captured:
     #               that is not a parameter/buffer
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
     views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
-
-
-def _strides_at(fake: torch.Tensor, values: dict) -> tuple | None:
-    """A fake tensor's strides at these symbol values, or None where a symbol has no value."""
-    try:
-        return tuple(evaluate(s.node.expr if isinstance(s, torch.SymInt) else int(s), values) for s in fake.stride())
-    except ValueError:
-        return None
 
 
 def _fits_in_storage(t: torch.Tensor, size) -> bool:
@@ -242,43 +110,39 @@ class PieceRunner:
     """Runs one compiled compute piece: replayed from a CUDA graph per shape key when it can be.
 
     Args:
-        name: submodule name in the split graph.
-        fn: the Inductor-compiled piece, called with positional args.
-        fake_args: the fake inputs it was compiled for.
-        static_args: indices of args that are parameters/buffers (captured in place; the compiled
-            graph replays only while they are where they were at capture).
-        escaping_outputs: indices of outputs the user sees (cloned out of the pool).
-        step: the state the stitched graph shares with its runners.
-        padding: which dims to pad, if the graph is padded (see ``padding.py``).
-        restore_after_warmup: the written args whose writes are not idempotent (full mode's
-            ``buf.mul_(...)``, an accumulator): saved before the warm-up runs and put back after,
-            so that a capturing call changes them once, like any other call. (The KV writes of
-            ``position_writes`` write the same values however often they run: not saved.)
+        piece: what the plan decided for it (``plan.PiecePlan``): the compiled function and the fake
+            inputs it was compiled for; which args are parameters/buffers (captured in place: the
+            compiled graph replays only while they are where they were at capture); which outputs
+            the user sees (cloned out of the pool); its padding (``padding.py``); its staged args
+            (``staging.py``); and the written args whose writes are not idempotent (full mode's
+            ``buf.mul_(...)``, an accumulator), saved before the warm-up runs and put back after,
+            so that a capturing call changes them once, like any other call (the decode rewrite's
+            KV writes write the same values however often they run: not saved).
+        step: the state the compiled graph shares with its runners (the step protocol).
         agreement: for a graph with collectives, the ranks that must capture together
             (``distributed.py``): a capture that failed on any of them is given up on all, so that
             every rank runs the piece the same way (padded replay or un-graphed) and the
             collectives inside it still pair up.
     """
 
-    def __init__(self, name: str, fn: Callable, fake_args: list, static_args: frozenset, escaping_outputs: frozenset,
-                 step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
-                 padding: PiecePadding | None = None, stage_keys: dict | None = None, restore_after_warmup: frozenset = frozenset(), agreement=None):
-        self.name = name
-        self.fn = fn
-        self.fake_args = fake_args  # what the piece was compiled for (strides of its inputs)
-        self.static_args = static_args
-        self.escaping_outputs = escaping_outputs
+    def __init__(self, piece: PiecePlan, step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
+                 agreement: RankAgreement | None = None):
+        self.name = piece.name
+        self.fn = piece.fn
+        self.fake_args = piece.fake_args
+        self.static_args = piece.static_args
+        self.escaping_outputs = piece.escaping_outputs
+        self.padding = piece.padding
+        self.stage_keys = piece.stage_keys  # arg index -> stage key
+        self.restore_after_warmup = piece.restore_after_warmup
         self.step = step
         self.stats = stats
         self.warmup_runs = warmup_runs
         self.clone_outputs = clone_outputs
-        self.padding = padding
-        self.stage_keys = stage_keys or {}  # arg index -> stage key (see staging.py)
-        self.restore_after_warmup = restore_after_warmup
         self.agreement = agreement
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
-        self._clones = clone_outputs and bool(escaping_outputs)  # any output to copy out of the pool
+        self._clones = clone_outputs and bool(piece.escaping_outputs)  # any output to copy out of the pool
 
     def __call__(self, *args):
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
@@ -330,7 +194,7 @@ class PieceRunner:
         out, changed = list(args), False
         for i, (fake, arg) in enumerate(zip(self.fake_args, args)):
             if isinstance(fake, torch.Tensor) and isinstance(arg, torch.Tensor):
-                strides = _strides_at(fake, values)
+                strides = strides_at(fake, values)
                 if strides is not None and tuple(arg.stride()) != strides and arg.numel() > 1:
                     out[i] = torch.empty_strided(arg.shape, strides, dtype=arg.dtype, device=arg.device).copy_(arg)
                     changed = True
@@ -373,7 +237,7 @@ class PieceRunner:
             failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})"
             device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
             if device is not None and device.type == "cuda":
-                recover_after_failed_capture(device)
+                device_graphs(device).recover()
         failure = agreed_refusal(self.agreement, failure,
                                  f"capture at shape key {key} failed on another rank of this graph's process "
                                  f"groups (all give it up, so their collectives keep pairing up)")
@@ -422,7 +286,7 @@ class PieceRunner:
                 buf = staged  # an earlier piece of this call copied the same source into it
                 capture_args[i] = buf
             else:
-                buf = self._owned_buffer(arg, i, size, dim, pad)
+                buf = self._owned_buffer(arg, i, size, dim)
                 capture_args[i] = buf
                 if stage is not None:
                     step.staged[stage] = buf
@@ -440,18 +304,19 @@ class PieceRunner:
                 tensor.copy_(copy)
         return restore
 
-    def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim, pad) -> torch.Tensor:
+    def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim) -> torch.Tensor:
         """A buffer this runner owns, holding ``arg`` (in its first rows when padded).
 
         Strides are the ones the compiled piece expects (its fake input's, at the key's size);
         the storage offset is dropped: compiled code reads through the data pointer.
         """
+        strides = strides_at(self.fake_args[i], self.step.sym_values)
         if dim is None:
-            strides = _strides_at(self.fake_args[i], self.step.sym_values) or arg.stride()
-            buf = torch.empty_strided(arg.shape, strides, dtype=arg.dtype, device=arg.device)
+            buf = torch.empty_strided(arg.shape, strides or arg.stride(), dtype=arg.dtype, device=arg.device)
             buf.copy_(arg)
             return buf
-        strides = [evaluate(s, self.step.sym_values) for s in pad.arg_strides[i]]
+        if strides is None:
+            raise ValueError(f"no strides for padded input {i} at {self.step.sym_values}")
         buf = torch.empty_strided(size, strides, dtype=arg.dtype, device=arg.device)
         buf.zero_()  # padded rows must hold valid values (an index tensor's garbage could be out of range)
         buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
@@ -463,14 +328,14 @@ class PieceRunner:
         restore = self._warmup_undo(capture_args)
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
-            outputs = _as_tuple(capture_on_side_stream(graph, shared_graph_pool(device), lambda: self.fn(*capture_args),
-                                                       self.warmup_runs, _device_index(device), restore))
+            outputs = as_tuple(device_graphs(device).capture(graph, lambda: self.fn(*capture_args), self.warmup_runs,
+                                                              restore))
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)
             if restore is not None:
                 restore()
-            graph = _EmulatedGraph(self.fn, capture_args)
+            graph = EmulatedGraph(self.fn, capture_args)
             outputs = graph.outputs
 
         flat = outputs if isinstance(outputs, tuple) else (outputs,)

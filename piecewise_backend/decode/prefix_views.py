@@ -24,8 +24,8 @@ import operator
 import torch
 import torch.fx
 
-from . import graph_facts as facts
-from .op_names import canonical_op_name
+from .. import graph_facts as facts
+from ..op_names import canonical_op_name
 
 _READERS = frozenset({"aten::scaled_dot_product_attention"})
 

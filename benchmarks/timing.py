@@ -1,4 +1,4 @@
-"""Timing a decode loop the one way the demo and the benchmarks share.
+"""Timing a decode loop of the toy models, the one way the benchmarks and their tests share.
 
 Per step: CUDA events on a GPU (the GPU's view of the step, host overhead included because the next
 step cannot start before the host launched it), ``perf_counter`` on the CPU. The median over the
@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from .cudagraphs import synchronize
-from .toy_models import next_tokens, reset_caches
+from piecewise_backend.runtime.devices import synchronize
+from toys.models import next_tokens, reset_caches
 
 
 def timed(fn, device: str):

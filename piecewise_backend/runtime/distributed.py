@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from . import _torch_internals
+from .. import _torch_internals
 
 
 def collective_groups(graph: torch.fx.Graph) -> list[str]:
@@ -31,11 +31,11 @@ def collective_groups(graph: torch.fx.Graph) -> list[str]:
         target = node.target
         if node.op != "call_function":
             continue
-        if isinstance(target, torch._ops.OpOverloadPacket):  # Dynamo records the packet
+        if _torch_internals.is_op_packet(target):  # Dynamo records the packet
             target = getattr(target, "default", None)
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "_c10d_functional":
+        if not _torch_internals.is_op_overload(target) or target.namespace != "_c10d_functional":
             continue
-        for i, arg in enumerate(target._schema.arguments):
+        for i, arg in enumerate(_torch_internals.op_schema_arguments(target)):
             if arg.name == "group_name":
                 value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
                 if isinstance(value, str):

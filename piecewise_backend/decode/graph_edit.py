@@ -1,0 +1,109 @@
+"""What the decode rewrites share: the slices they recognise and the nodes they build.
+
+A *site* is a slice of a parameter/buffer at a per-step position (``cache[:B, :, pos:pos + 1]``,
+``cos[pos:pos + S]``): its indexed dims in a small closed form. :func:`indices` turns a site into the
+index tensors that address the same elements, reading the position from the step scalars; the KV
+writes (``kv_writes.py``) and the RoPE reads (``rope_reads.py``) are both built on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import torch
+import torch.fx
+
+from .. import _torch_internals
+from .. import graph_facts as facts
+from .step_scalars import ENABLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    node: torch.fx.Node  # the write (a setitem or an index_copy_), or the read (a getitem)
+    buffer: torch.fx.Node
+    value: torch.fx.Node | None  # what a write writes
+    # per indexed dim: ("full", size) | ("prefix", int or placeholder) | ("step", placeholder, n)
+    # | ("index", index tensor node)
+    dims: tuple
+
+
+def slice_dim(s, d: int, buffer_value: torch.Tensor, steps: frozenset, placeholders: dict):
+    """A full or prefix slice of dim ``d`` in our supported form, or None."""
+    if not isinstance(s, slice) or s.step is not None or s.start is not None:
+        return None
+    if s.stop is None:
+        return ("full", int(buffer_value.shape[d]))
+    if isinstance(s.stop, int) or (s.stop in placeholders and not facts.is_per_step(s.stop, steps)):
+        return ("prefix", s.stop)
+    return None
+
+
+def slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, placeholders: dict):
+    """The indexed dims of ``buffer[index]`` (read as ``value``, or written from it) in our supported
+    form: exactly one dim starts at a per-step input and is as long as ``value``; or None."""
+    index = index if isinstance(index, tuple) else (index,)
+    if not index or len(index) > buffer_value.dim() or not isinstance(value, torch.Tensor) \
+            or value.dim() != buffer_value.dim():
+        return None
+    dims, step_dims = [], 0
+    for d, s in enumerate(index):
+        start = s.start if isinstance(s, slice) else None
+        if isinstance(start, torch.fx.Node) and facts.is_per_step(start, steps):
+            n = value.shape[d]
+            if s.step is not None or start not in placeholders or not isinstance(n, int):
+                return None
+            dims.append(("step", start, n))
+            step_dims += 1
+        else:
+            dims.append(slice_dim(s, d, buffer_value, steps, placeholders))
+    return tuple(dims) if step_dims == 1 and None not in dims else None
+
+
+class Builder:
+    """Appends nodes before ``anchor``, each with its fake value (the split pass reads them)."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode):
+        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+
+    def __call__(self, op: str, target, *args, **kwargs) -> torch.fx.Node:
+        with self.graph.inserting_before(self.anchor):
+            node = self.graph.create_node(op, target, args, kwargs)
+        values = torch.fx.node.map_arg((args, kwargs), facts.example_value)
+        with _torch_internals.fake_propagation(self.fake_mode):
+            if op == "call_method":
+                value = getattr(values[0][0], target)(*values[0][1:], **values[1])
+            else:
+                value = target(*values[0], **values[1])
+        node.meta["example_value"] = value
+        return node
+
+
+def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, masked: bool):
+    """The index tensors that address ``site``'s elements of its buffer, and (when ``masked``) the
+    mask of those a write may change: enabled, and within the caller's rows."""
+    buffer_value = facts.example_value(site.buffer)
+    device, ndim = buffer_value.device, buffer_value.dim()
+    mask = add("call_function", operator.ne, add("call_function", operator.getitem, scalars, ENABLE), 0) \
+        if masked else None
+    out, last = [], len(site.dims) - 1
+    for d, dim in enumerate(site.dims):
+        shape = [1] * (last + 1)
+        shape[d] = -1
+        if dim[0] == "index":  # index_copy_'s own index tensor
+            out.append(add("call_method", "view", dim[1], shape))
+            continue
+        size = dim[1] if dim[0] != "step" else dim[2]
+        rows = add("call_function", torch.arange, size, device=device)
+        if dim[0] == "step":
+            start = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
+            rows = add("call_function", operator.add, rows, start)
+        elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node) and masked:
+            limit = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
+            keep = add("call_function", operator.lt, rows, limit)
+            full_shape = [1] * ndim
+            full_shape[d] = -1
+            mask = add("call_function", operator.and_, mask, add("call_method", "view", keep, full_shape))
+        out.append(add("call_method", "view", rows, shape))
+    return tuple(out), mask

@@ -1,0 +1,96 @@
+"""The step scalars: one small device tensor that carries a decode step's Python ints into graphs.
+
+A decode step's position (``pos``) changes every call; a graph that baked it in would be wrong the
+next step. The rewrites of this package read such ints from this tensor instead. The compiled graph
+refreshes it once per call (one ``fill_`` per value that changed, none when nothing did) after
+checking every value against the bounds its readers need, so an out-of-range position raises a
+named error on the host rather than a device-side index error that kills the CUDA context.
+
+Slot 0 is the *enable* flag: up-front capture runs compute pieces on made-up inputs and sets it to
+0, and every rewritten write then puts back what it read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.fx
+
+from .. import graph_facts as facts
+
+PLACEHOLDER = "piecewise_step_scalars"  # the graph input the rewrites add, after Dynamo's own
+ENABLE = 0  # slot 0: 1 = write, 0 = write every element back unchanged (up-front capture)
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One step scalar: which graph input feeds it and what it must satisfy."""
+
+    arg: int  # position of the SymInt graph input
+    name: str
+    low: int  # value must be >= low ...
+    high: int  # ... and <= high
+    what: str  # the reader it guards, for the error message
+    offset: int = 0  # the slot holds the input plus this (an attention length: pos + 1)
+
+
+class Slots:
+    """Step scalars by (graph input, constant added), with the tightest bounds any reader needs."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.position = {n: i for i, n in enumerate(facts.placeholders(graph))}
+        self.slots: list[Slot] = []
+        self.index: dict = {}  # (placeholder, offset) -> index in the device tensor (0 is the enable flag)
+
+    def need(self, node: torch.fx.Node, offset: int, low: int, high: int, what: str) -> None:
+        key = (node, offset)
+        if key in self.index:
+            j = self.index[key] - 1
+            old = self.slots[j]
+            self.slots[j] = dataclasses.replace(old, low=max(old.low, low), high=min(old.high, high),
+                                                what=old.what if old.high <= high else what)
+        else:
+            self.slots.append(Slot(self.position[node], node.name, low, high, what, offset))
+            self.index[key] = len(self.slots)
+
+
+class StepScalars:
+    """The device tensor the rewritten graph reads its positions and real sizes from."""
+
+    def __init__(self, slots: list[Slot], device: torch.device):
+        self.slots = slots
+        with torch.inference_mode(False):  # a normal tensor: filled in place under any grad mode
+            self.tensor = torch.ones(1 + len(slots), dtype=torch.int64, device=device)
+            self._views = [self.tensor[j] for j in range(1 + len(slots))]
+        self._last: list = [None] * len(slots)
+
+    def refresh(self, args: tuple) -> tuple:
+        """Check this call's positions, write the changed ones to the device; ``args`` + the tensor.
+
+        All are checked before any is written: a refused call leaves the device tensor as it was.
+        """
+        values = [args[slot.arg] + slot.offset for slot in self.slots]
+        if values != self._last:
+            for slot, value in zip(self.slots, values):
+                if not slot.low <= value <= slot.high:
+                    name = slot.name + (f" + {slot.offset}" if slot.offset else "")
+                    raise IndexError(f"piecewise: {slot.what} needs {slot.low} <= {name} <= {slot.high}; got "
+                                     f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
+                                     f"raises a shape error here too): make the buffer larger or stop before "
+                                     f"its end.")
+            for j, (value, old) in enumerate(zip(values, self._last)):
+                if value != old:
+                    self._views[1 + j].fill_(value)
+            self._last = values
+        return (*args, self.tensor)
+
+    @contextlib.contextmanager
+    def writes_disabled(self):
+        """Rewritten writes put back what they read (for runs on made-up inputs)."""
+        self._views[ENABLE].fill_(0)
+        try:
+            yield
+        finally:
+            self._views[ENABLE].fill_(1)

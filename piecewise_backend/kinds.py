@@ -1,0 +1,47 @@
+"""The small closed sets of words the backend decides between, as enums.
+
+They are ``str`` enums: each compares equal to its text (``PieceKind.COMPUTE == "compute"``) and
+prints as it (``f"{Miss.OVER_BUDGET}"`` is ``over the capture budget``), so stats tables and
+messages read the same as before, while code names the member and a typo is an AttributeError.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class _Text(str, enum.Enum):
+    """A str enum that prints as its value on every Python (3.12 changed what ``format`` does)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    __hash__ = str.__hash__  # a member and its text are the same dict key
+
+
+class PieceKind(_Text):
+    """What a piece of the split graph is (``splitting.py``)."""
+
+    COMPUTE = "compute"  # compiled with Inductor, replayed from CUDA graphs
+    SPLIT = "split"  # holds a splitting op (attention): runs eagerly between the replays
+    EAGER = "eager"  # only nodes that must run eagerly (writes to inputs, per-step scalars)
+
+
+class Miss(_Text):
+    """Why a call runs un-graphed though the graph could have graphs (``stats.misses`` counts by it)."""
+
+    ABOVE_MAX = "above the largest capture size"
+    NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
+    NOT_CAPTURED = "not captured and lazy_capture=False"
+    OVER_BUDGET = "over the capture budget"
+    WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
+
+
+class CaptureHow(_Text):
+    """How a shape key came to be captured (``CaptureEvent.how``)."""
+
+    LAZY = "lazy"  # the first call at that size captured it
+    EAGER = "eager"  # up front: eager_capture_sizes or capture()

@@ -1,0 +1,256 @@
+"""The plan of one compiled graph: the only thing compile time hands to run time.
+
+``backend.build`` runs rewrite → split → compile → plan → wrap. The first four stages read Dynamo's
+graph and fake values; what the run time needs from them is decided here, once, and frozen in a
+:class:`GraphPlan`: the pieces and how each is run (:class:`PiecePlan`), the shape key read per
+call (:class:`ShapeKey`), whether and how batches are padded (:class:`PaddingPlan`), and why the
+graph gets no CUDA graphs at all, if it does not. No fake value of an intermediate outlives it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx
+
+from . import graph_facts as facts
+from ._torch_internals import sym_expr
+from .compiling import CompiledPiece
+from .config import PiecewiseConfig
+from .decode import PLACEHOLDER, Rewrite, StepScalars
+from .kinds import PieceKind
+from .padding import PiecePadding, plan_padding
+from .row_independence import Capacity, evaluate_rows
+from .runtime.distributed import RankAgreement, rank_agreement
+from .runtime.emulation import emulating
+from .splitting import SplitGraph
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphInputs:
+    """The graph the backend compiles and its inputs as the compiled graph will be called: Dynamo's,
+    plus the step-scalar tensor when the decode rewrite added one (last)."""
+
+    graph_module: torch.fx.GraphModule
+    fake_mode: Any  # Dynamo's FakeTensorMode for this compile
+    fake_inputs: tuple
+    static_names: frozenset  # placeholder names of parameters/buffers (and the step scalars)
+    rewrite: Rewrite | None
+
+    @functools.cached_property
+    def static_inputs(self) -> frozenset:
+        return frozenset(i for i, n in enumerate(facts.placeholders(self.graph_module.graph))
+                         if n.name in self.static_names)
+
+    @functools.cached_property
+    def weight_indices(self) -> tuple:
+        """The parameters/buffers whose addresses choose the set of graphs (not the step scalars)."""
+        own = len(self.fake_inputs) - 1 if self.rewrite is not None else None
+        return tuple(i for i in sorted(self.static_inputs) if isinstance(self.fake_inputs[i], torch.Tensor) and i != own)
+
+    @property
+    def masked_buffers(self) -> frozenset:
+        """Buffers whose writes moved into compute pieces, masked to the caller's rows: padding and
+        repeated runs (warm-up) leave them as one real call would."""
+        return self.rewrite.buffers if self.rewrite is not None else frozenset()
+
+    @staticmethod
+    def with_rewrite(rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set) -> "GraphInputs":
+        """The rewritten graph's inputs: one more, the step scalars (a tensor Dynamo never saw: its
+        static shape, not a fresh symbol)."""
+        fakes = (*fake_inputs, fake_mode.from_tensor(rewrite.scalars.tensor, static_shapes=True))
+        return GraphInputs(rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite)
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecePlan:
+    """How one compute piece runs (``runtime/piece_runner.py`` reads nothing else about it)."""
+
+    name: str
+    fn: Callable
+    fake_args: list  # what it was compiled for (strides of its inputs)
+    static_args: frozenset  # args that are parameters/buffers: captured in place
+    escaping_outputs: frozenset  # outputs the user sees: cloned out of the pool
+    padding: PiecePadding | None
+    stage_keys: Mapping[int, str]  # args read by several pieces: copied once per step (staging.py)
+    restore_after_warmup: frozenset  # written args whose writes are not idempotent
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeKey:
+    """Where each call's shape key is read: the batch symbols, never the per-step scalars."""
+
+    sources: tuple  # (arg index, dim) or (arg index, None) for a SymInt input, per symbol
+    symbols: tuple
+    pad_position: int | None  # index in the key of the batch size, None: no dynamic batch
+
+    def of(self, args: tuple) -> tuple:
+        return tuple(args[i] if dim is None else args[i].shape[dim] for i, dim in self.sources)
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingPlan:
+    per_piece: Mapping[str, PiecePadding]  # empty: not padded
+    refusal: str | None  # why the graph cannot be padded
+    capacities: tuple[Capacity, ...]  # tensors read or written by batch row: they cap the padded size
+    note: str  # what is padded, or why nothing is, for people
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPlan:
+    split: SplitGraph
+    compiled: Mapping[str, CompiledPiece]
+    pieces: Mapping[str, PiecePlan]  # compute pieces, in execution order
+    signatures: Mapping[str, tuple]  # piece name -> (described inputs, described output)
+    code: Mapping[str, str]  # piece name -> its FX code (for inspection; wrapping hides the submodules)
+    inputs: GraphInputs
+    fake_outputs: Mapping[str, Any]  # every piece's fake output (up-front capture's stand-ins)
+    key: ShapeKey
+    padding: PaddingPlan
+    graphs_disabled_reason: str | None  # why this graph never captures, None: it does
+    unmasked_writes: tuple  # buffers compute pieces write at the caller's positions (full mode)
+    agreement: RankAgreement | None  # ranks that must decide captures together
+    inductor_compiles: int
+    inductor_seconds: float
+
+    @property
+    def device(self) -> torch.device:
+        return next(f.device for f in self.inputs.fake_inputs if isinstance(f, torch.Tensor))
+
+    @property
+    def step_scalars(self) -> StepScalars | None:
+        return self.inputs.rewrite.scalars if self.inputs.rewrite is not None else None
+
+    @property
+    def any_requires_grad(self) -> bool:
+        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in self.inputs.fake_inputs)
+
+    def row_limit(self) -> Callable[[tuple], int | None] | None:
+        """``key -> rows``: the most rows a padded batch may have at that key (None: no cap)."""
+        capacities, symbols = self.padding.capacities, self.key.symbols
+        return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
+
+
+# -- deciding -----------------------------------------------------------------------------------------
+
+def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset()) -> str | None:
+    if not config.cudagraphs:
+        return "cudagraphs=False in options"
+    devices = {v.device.type for v in fake_inputs if isinstance(v, torch.Tensor)}
+    if devices == {"cpu"} and emulating():
+        return None
+    if devices != {"cuda"}:
+        return f"graphs need CUDA tensors; inputs are on {', '.join(sorted(devices)) or 'no device'}"
+    if missing:
+        return f"compute pieces depend on symbols not read from any input ({', '.join(map(str, missing))})"
+    return None
+
+
+def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
+    """Where to read each needed symbol at call time, and the needed symbols no input provides.
+
+    The batch is the first input tensor's first dynamic dim: Dynamo passes symbols as SymInt inputs
+    too (often before the tensors), so the key's own order does not say which symbol is the batch.
+    """
+    sources, symbols = [], []
+    for i, value in enumerate(fake_inputs):
+        candidates = [(None, value)] if isinstance(value, torch.SymInt) else (
+            list(enumerate(value.shape)) if isinstance(value, torch.Tensor) else [])
+        for dim, size in candidates:
+            sym = sym_expr(size)
+            if isinstance(size, torch.SymInt) and sym.is_Symbol and sym in needed and sym not in symbols:
+                symbols.append(sym)
+                sources.append((i, dim))
+    pad_position = next((symbols.index(sym_expr(size)) for value in fake_inputs if isinstance(value, torch.Tensor)
+                         for size in value.shape if isinstance(size, torch.SymInt) and sym_expr(size) in symbols),
+                        None)
+    return ShapeKey(tuple(sources), tuple(symbols), pad_position), needed - set(symbols)
+
+
+def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake_outputs: Mapping, key: ShapeKey,
+             unmasked: Mapping, row_access: Mapping) -> PaddingPlan:
+    """The KV writes moved into compute pieces are masked to the caller's rows, so they neither
+    forbid padding nor count as mixing rows (``row_access`` names them): only each piece's
+    ``unmasked`` writes do. They do read and write their caches by batch row, so a padded batch may
+    not exceed those caches' rows: the capacities."""
+    if key.pad_position is None:
+        return PaddingPlan({}, None, (), "no dynamic batch size: one shape, captured as is")
+    sym = key.symbols[key.pad_position]
+    pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
+    per_piece, refusal, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked, row_access)
+    if not config.padding:
+        return PaddingPlan({}, refusal, capacities, "off (padding=False): only exact capture sizes get graphs")
+    if refusal:
+        return PaddingPlan({}, refusal, (), f"off for {sym}: {refusal}; only exact capture sizes get graphs")
+    note = f"{sym} padded up to the next capture size"
+    if capacities:
+        rows = sorted({str(c.rows) for c in capacities})
+        tensors = {c.tensor for c in capacities}
+        note += (f" while the padded batch fits in {' / '.join(rows)} rows, the batch dim of the "
+                 f"{len(tensors)} tensor(s) it reads or writes by batch row (e.g. {capacities[0].tensor}, "
+                 f"{capacities[0].where}); past that, exact sizes")
+    return PaddingPlan(per_piece, None, capacities, note)
+
+
+def _escaping_outputs(split_gm: torch.fx.GraphModule) -> dict[str, set]:
+    """For each submodule, the indices of its outputs that the graph returns to the user."""
+    out: dict[str, set] = {}
+    output_node = next(n for n in split_gm.graph.nodes if n.op == "output")
+    for arg in output_node.all_input_nodes:
+        if arg.op == "call_module":
+            out.setdefault(str(arg.target), set()).add(0)
+        elif arg.op == "call_function" and arg.target is operator.getitem and arg.args[0].op == "call_module":
+            out.setdefault(str(arg.args[0].target), set()).add(arg.args[1])
+    return out
+
+
+def _piece_plans(split: SplitGraph, compiled: Mapping, padding: PaddingPlan, staging: Mapping, static_names,
+                 unmasked: Mapping) -> dict[str, PiecePlan]:
+    split_gm = split.graph_module
+    escaping = _escaping_outputs(split_gm)
+    calls = {str(n.target): n for n in split_gm.graph.nodes if n.op == "call_module"}
+    plans = {}
+    for spec in split.pieces:
+        if spec.kind != PieceKind.COMPUTE:
+            continue
+        inputs = {i: a.name for i, a in enumerate(calls[spec.name].args)
+                  if isinstance(a, torch.fx.Node) and a.op == "placeholder"}
+        piece = compiled[spec.name]
+        plans[spec.name] = PiecePlan(
+            spec.name, piece.fn, piece.fake_args,
+            static_args=frozenset(i for i, name in inputs.items() if name in static_names),
+            escaping_outputs=frozenset(escaping.get(spec.name, ())),
+            padding=padding.per_piece.get(spec.name), stage_keys=staging[spec.name],
+            restore_after_warmup=frozenset(i for i, name in inputs.items() if name in unmasked[spec.name]))
+    return plans
+
+
+def _piece_code(split: SplitGraph) -> dict[str, str]:
+    return {spec.name: getattr(split.graph_module, spec.name).code.strip() for spec in split.pieces}
+
+
+def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, compiled: Mapping,
+              fake_outputs: Mapping, staging: Mapping, signatures: Mapping, compiler) -> GraphPlan:
+    """Decide, from what the compile stages found, everything the compiled graph does per call."""
+    masked = inputs.masked_buffers
+    # per compute piece, the inputs it writes at the caller's positions (not masked to its rows)
+    unmasked = {p.name: tuple(w for w in p.writes_inputs if w not in masked) for p in split.pieces
+                if p.kind == PieceKind.COMPUTE}
+    needed = set()
+    for piece in compiled.values():
+        needed |= facts.value_symbols(piece.fake_args, with_offset=False)
+    key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
+    row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
+    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access)
+    return GraphPlan(
+        split=split, compiled=dict(compiled),
+        pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names, unmasked),
+        signatures=dict(signatures), code=_piece_code(split), inputs=inputs, fake_outputs=dict(fake_outputs), key=key, padding=padding,
+        graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
+        unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
+        agreement=rank_agreement(inputs.graph_module.graph),
+        inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds)

@@ -1,0 +1,63 @@
+"""The one registry of the graphs this backend compiled in this process, and what acts on all of them.
+
+Graphs are held weakly: one that Dynamo drops (``torch._dynamo.reset()``, a model garbage
+collected) leaves the registry with it. Serial numbers are given here, in compile order; messages,
+stats and reports name a graph by its serial.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+import weakref
+from typing import Iterable
+
+from .runtime.devices import synchronize
+
+_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
+_SERIALS = itertools.count(1)
+
+
+def register(graph):
+    """Number ``graph`` (a CompiledGraph) and keep it, weakly; returns it."""
+    graph.serial = graph.stats.serial = next(_SERIALS)
+    _GRAPHS.add(graph)
+    return graph
+
+
+def compiled_graphs() -> list:
+    """Every live graph this backend compiled in this process, oldest first."""
+    return sorted(_GRAPHS, key=lambda g: g.serial)
+
+
+def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
+    """Capture ``sizes`` now in every live compiled graph that can (servers: warm up when idle).
+
+    A graph can once it has been called (its weights and other sizes come from that call) and has
+    a dynamic batch size. Returns, per graph serial, the shape keys it captured. Warns, with each
+    graph's reason, when no graph can (on CPU, before the first call, ...).
+    """
+    graphs = compiled_graphs()
+    able = [g for g in graphs if g.can_capture_up_front]
+    if not able:
+        reasons = "; ".join(g.up_front.refusal() for g in graphs) or "nothing has been compiled yet"
+        warnings.warn(f"piecewise: capture({sizes!r}) captured nothing: no compiled graph can capture up front "
+                      f"({reasons})", stacklevel=2)
+    return {g.serial: g.capture(sizes) for g in able}
+
+
+def release_graphs() -> int:
+    """Destroy every CUDA graph this backend captured in this process; returns how many shape keys
+    were released. The compiled pieces stay, and later calls capture again, lazily, as at first.
+
+    Why: NCCL counts each CUDA graph that captured one of its collectives and
+    ``ncclCommDestroy`` waits until all of them are destroyed, so a tensor-parallel program whose
+    graphs are still alive hangs in ``torch.distributed.destroy_process_group()`` (pytorch#115388;
+    seen with torch 2.11 on two H200s). Call this before destroying the process group. The graph
+    pool's memory stays reserved for later captures.
+    """
+    graphs = compiled_graphs()
+    devices = {g.device for g in graphs if g.captured and g.device.type == "cuda"}
+    for device in devices:  # no graph is destroyed while a replay of it may still be running
+        synchronize(device)
+    return sum(g.release_graphs() for g in graphs)

@@ -1,0 +1,255 @@
+"""The callable Dynamo installs for one graph: per call, pick the graphs that serve it, or say why not.
+
+Built from a frozen :class:`~piecewise_backend.plan.GraphPlan` (the wrap stage of ``backend.py``):
+each compute piece of the split graph is replaced by a
+:class:`~piecewise_backend.runtime.piece_runner.PieceRunner`, the eager pieces run as they are
+between the replays. Per call, in order:
+
+1. the step scalars are refreshed (the decode rewrite's positions, checked on the host);
+2. un-graphed if graphs are off for this graph or grad is needed;
+3. the parameters' addresses choose the set of graphs (``weight_sets.py``);
+4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Plan`: replay a captured
+   key (maybe padded), capture a new one, or run un-graphed with a counted reason;
+5. the runners are told through the step protocol (``StepState``) and the split graph runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from .. import _torch_internals
+from ..config import PiecewiseConfig
+from ..kinds import CaptureHow, Miss, PieceKind
+from ..stats import CaptureEvent, GraphStats, PieceStats
+from .capture_policy import CapturePolicy, Plan
+from .devices import pool_bytes, synchronize
+from .piece_runner import PieceRunner, StepState
+from .up_front import UpFrontCapture
+from .weight_sets import WeightSet, WeightSets
+
+if TYPE_CHECKING:
+    from ..plan import GraphPlan
+
+log = logging.getLogger("piecewise_backend")
+
+
+class CompiledGraph:
+    """The callable Dynamo installs for one captured graph."""
+
+    def __init__(self, plan: GraphPlan, config: PiecewiseConfig):
+        self.plan = plan
+        self.config = config
+        self.serial = 0  # numbered by the registry (``registry.py``) once built
+        self.stats = _new_stats(plan)
+        self.policy = CapturePolicy(config, plan.key.pad_position, plan.padding.refusal, plan.agreement,
+                                    plan.row_limit())
+        self.step = StepState()
+        self.runners = self._wrap_pieces()
+        self.captured: set = set()  # shape keys captured (for the active set of weights)
+        self._plans: dict[tuple, Plan] = {}
+        self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
+        self.up_front = UpFrontCapture(self)
+        self._warned: set = set()
+        self._forward = _torch_internals.generated_forward(plan.split.graph_module)
+        self.step_scalars = plan.step_scalars
+        # read on every call: kept here rather than derived from the plan each time
+        self._graphs_off = plan.graphs_disabled_reason is not None
+        self._any_requires_grad = plan.any_requires_grad
+        self._shape_key = plan.key.of
+
+    def _wrap_pieces(self) -> dict[str, PieceRunner]:
+        """Replace each compute submodule by its runner (an instance attribute shadows the registered
+        submodule, which stays for inspection); eager submodules are called without
+        ``nn.Module.__call__``'s overhead."""
+        split_gm = self.plan.split.graph_module
+        runners = {}
+        for spec in self.plan.split.pieces:
+            if spec.kind == PieceKind.COMPUTE:
+                self.stats.pieces[spec.name] = PieceStats(spec.name)
+                runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], self.step, self.stats.pieces[spec.name],
+                                                 self.config.warmup_runs, self.config.clone_outputs,
+                                                 self.plan.agreement)
+                split_gm.__dict__[spec.name] = runners[spec.name]
+            else:
+                split_gm.__dict__[spec.name] = getattr(split_gm, spec.name).forward
+        return runners
+
+    # -- what the plan says, by name ----------------------------------------------------------------
+
+    split = property(lambda self: self.plan.split)
+    compiled = property(lambda self: self.plan.compiled)
+    pieces = property(lambda self: self.plan.split.pieces)
+    signatures = property(lambda self: self.plan.signatures)
+    key_symbols = property(lambda self: self.plan.key.symbols)
+    pad_position = property(lambda self: self.plan.key.pad_position)
+    graphs_disabled_reason = property(lambda self: self.plan.graphs_disabled_reason)
+    unmasked_writes = property(lambda self: self.plan.unmasked_writes)
+    device = property(lambda self: self.plan.device)
+
+    @property
+    def __code__(self):
+        """Tools that walk Dynamo's cache (depyf) expect what a backend returns to be a function and
+        read its ``__code__``; ours is this object's ``__call__``."""
+        return type(self).__call__.__code__
+
+    @property
+    def can_capture_up_front(self) -> bool:
+        return self.up_front.refusal() is None
+
+    def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
+        """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured (see
+        :meth:`UpFrontCapture.capture`)."""
+        return self.up_front.capture(sizes)
+
+    # -- per call ---------------------------------------------------------------------------------
+
+    def __call__(self, *args):
+        if self.step_scalars is not None:
+            args = self.step_scalars.refresh(args)  # positions of the KV writes moved into the graphs
+        step = self.step
+        self.stats.calls += 1
+        if self._graphs_off or not self._grad_allows_graphs():
+            self._count_batch(args)
+            step.ungraphed()
+            return self._forward(*args)
+        addresses = self.weights.addresses(args)
+        if addresses != self.weights.active_addresses and not self._use_weights(addresses, args):
+            step.ungraphed()
+            self.stats.misses[Miss.WEIGHTS_MOVED] += 1
+            return self._forward(*args)
+        key = self._shape_key(args)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._new_plan(key, args)
+        if plan.size is not None:
+            self.stats.batch_sizes[plan.size] += 1
+        if plan.key is None:
+            step.ungraphed()
+            self.stats.misses[plan.miss] += 1
+            return self._forward(*args)
+        step.replay(plan.key, plan.size, plan.padded)
+        if plan.capture:
+            return self.capturing_step(plan.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, plan.key)),
+                                       lambda: self._forward(*args))
+        return self._forward(*args)
+
+    def _count_batch(self, args: tuple) -> None:
+        """Un-graphed graphs count their batch sizes too (``stats.batch_sizes``, on CPU as well)."""
+        position = self.plan.key.pad_position
+        if position is not None:
+            self.stats.batch_sizes[self._shape_key(args)[position]] += 1
+
+    def _use_weights(self, addresses: tuple, args: tuple) -> bool:
+        """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
+        False when the set is new and ``max_weight_sets`` sets have graphs already."""
+        weight_set = self.weights.find(addresses)
+        if weight_set is None:
+            detail = (f"parameters/buffers at a new set of addresses; {len(self.weights)} sets have graphs, "
+                      f"max_weight_sets={self.weights.limit}")
+            self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
+            self.warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: calls with these weights "
+                                            f"run un-graphed. Raise max_weight_sets, or recompile "
+                                            f"(torch._dynamo.reset()) after replacing the weights for good.")
+            return False
+        if weight_set.number > 1:
+            self.warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers are at "
+                                            f"new addresses (load_state_dict(assign=True), .to(), another "
+                                            f"model's weights): capturing graphs for them (set "
+                                            f"{weight_set.number} of at most {self.weights.limit}); the "
+                                            f"tensors captured before are never written.")
+        self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
+        self._activate(addresses, weight_set)
+        self.up_front.use_weights(args)
+        return True
+
+    def _activate(self, addresses: tuple, weight_set: WeightSet) -> None:
+        for name, runner in self.runners.items():
+            runner.captures = weight_set.captures.setdefault(name, {})
+            runner.failed_keys = weight_set.failed.setdefault(name, set())
+        self.captured, self._plans = weight_set.captured, weight_set.plans
+        self.weights.activate(addresses, weight_set)
+
+    def _new_plan(self, key: tuple, args: tuple) -> Plan:
+        if not self.up_front.remembered:
+            self.up_front.remember(key, args)
+            self.up_front.capture_eager_sizes()  # before the first output
+        plan = self.policy.plan(key, self.captured, self.pool_bytes)
+        if plan.miss is not None:
+            self.stats.miss_details[plan.miss] = plan.detail
+            if plan.miss == Miss.OVER_BUDGET:
+                self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
+                                          f"{plan.detail}. Those calls run un-graphed (see stats.summary()).")
+        if not plan.capture:
+            self._plans[key] = plan
+        return plan
+
+    def capturing_step(self, key: tuple, how: CaptureHow, sym_values: dict, run):
+        """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""
+        position = self.plan.key.pad_position
+        self.step.capturing(key[position] if position is not None else None, sym_values)
+        before, start = self.pool_bytes(), time.perf_counter()
+        out = run()
+        synchronize(self.device)
+        self._record_capture(key, how, time.perf_counter() - start, before)
+        return out
+
+    def _grad_allows_graphs(self) -> bool:
+        if not (self._any_requires_grad and torch.is_grad_enabled()):
+            return True
+        self.warn_once("grad", "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
+                               "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
+                               "torch.inference_mode() to get graphs.")
+        return False
+
+    def warn_once(self, topic: str, message: str) -> None:
+        if topic not in self._warned:
+            self._warned.add(topic)
+            warnings.warn(message, stacklevel=4)
+
+    # -- capture bookkeeping ----------------------------------------------------------------------
+
+    def release_graphs(self) -> int:
+        """Forget every shape key's graphs, for every set of weights (see ``registry.release_graphs``);
+        the number of keys released. Keys whose capture failed stay un-graphed."""
+        released = 0
+        for weight_set in self.weights.all():
+            released += len(weight_set.captured)
+            for captures in weight_set.captures.values():
+                captures.clear()
+            weight_set.captured.clear()
+            weight_set.plans.clear()  # plans of captured keys would replay graphs that are gone
+        return released
+
+    def pool_bytes(self) -> int:
+        device = self.device
+        return pool_bytes(device) if device.type == "cuda" else 0
+
+    def _record_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int) -> None:
+        after = self.pool_bytes()
+        self.captured.add(key)
+        self._plans.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
+        position = self.plan.key.pad_position
+        self.policy.budget.record(key[position] if position is not None else None, after - before)
+        pieces = sum(1 for r in self.runners.values() if key in r.captures)
+        self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces, self.stats.calls))
+        log.info("piecewise: graph %d: captured shape key %s (%s) across %d pieces in %.0f ms; graph pool "
+                 "%.1f MiB (+%.1f MiB)", self.serial, key, how, pieces, seconds * 1e3, after / 2**20,
+                 (after - before) / 2**20)
+        cap = self.config.max_graph_memory
+        if cap is not None and after > cap:
+            self.warn_once("over cap", f"piecewise: graph {self.serial}: graph pool holds {after / 2**20:.1f} "
+                                       f"MiB after capturing {key}, above max_graph_memory={cap / 2**20:.1f} "
+                                       f"MiB; no further captures.")
+
+
+def _new_stats(plan: GraphPlan) -> GraphStats:
+    compute = len(plan.pieces)
+    return GraphStats(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
+                      num_split_pieces=len(plan.split.pieces) - compute, inductor_compiles=plan.inductor_compiles,
+                      inductor_seconds=plan.inductor_seconds, graphs_disabled_reason=plan.graphs_disabled_reason,
+                      padding=plan.padding.note)

@@ -1,0 +1,143 @@
+"""One object per CUDA device for everything capture shares there: the graph pool and the stream.
+
+Lifecycle of a :class:`DeviceGraphs` (modelled on cudagraph_trees' per-device manager):
+
+1. created on the first capture on its device (:func:`device_graphs`), and kept for the process;
+2. its pool is opened on first use, with a one-kernel *keeper* graph that keeps it alive;
+3. every capture of every piece, size and compiled graph on the device runs on its one capture
+   stream, into that pool (:meth:`DeviceGraphs.capture`);
+4. a capture that raised retires the pool (graphs already captured in it keep working) and opens a
+   fresh one (:meth:`DeviceGraphs.recover`);
+5. :meth:`DeviceGraphs.pool_bytes` measures what the live and retired pools hold.
+
+Why one pool: captured outputs are kept only as non-owning aliases, so memory freed by one step's
+capture is reused by the next capture, of any piece or size. Why one stream: cuBLAS keeps a
+workspace per stream, and the first matmul on a new stream allocates it inside the capture, so from
+the pool and for good (about 1 GB for one size of a 16-layer model on the H200 with
+``torch.cuda.graph``'s fresh stream per capture).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from .. import _torch_internals
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for the GPU (a no-op for CPU devices)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class DeviceGraphs:
+    """The graph pool (with its keeper), the retired pools and the capture stream of one device."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.stream = torch.cuda.Stream(device=index)
+        self._pool: tuple | None = None  # (handle, keeper graph)
+        self._retired: list[tuple] = []  # (handle, keeper) of pools given up after a failed capture
+
+    @property
+    def pool(self):
+        """The live pool's handle, opened on first use.
+
+        A pool lives only while some graph captured into it lives; once the last one dies (e.g.
+        after ``torch._dynamo.reset()``) the allocators free it, and capturing into the stale
+        handle trips their asserts (seen on torch 2.11: ``use_count > 0 INTERNAL ASSERT FAILED`` in
+        the device and the pinned-host allocator; a ``torch.cuda.MemPool`` keeps only the device
+        side alive). So the pool is opened with a one-kernel keeper graph held here.
+        """
+        if self._pool is None:
+            with torch.cuda.device(self.index):
+                handle = torch.cuda.graph_pool_handle()
+                keeper = torch.cuda.CUDAGraph()
+                self._capture(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{self.index}").add_(1))
+                self._pool = (handle, keeper)
+        return self._pool[0]
+
+    def capture(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], warmup_runs: int = 0,
+                after_warmup: Callable[[], None] | None = None):
+        """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` in this device's pool;
+        return the captured call's result."""
+        return self._capture(graph, self.pool, fn, warmup_runs, after_warmup)
+
+    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None):
+        """What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
+        (seconds per size in vLLM's measurements) and its new stream per capture.
+
+        ``capture_end`` always runs: a capture left open poisons every later one. cuBLAS's
+        workspaces are freed just before ``capture_begin``, so the captured matmuls use a workspace
+        from the pool, never one that someone else can free under the graph
+        (:func:`_torch_internals.free_cublas_workspaces`).
+        """
+        side = self.stream
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup_runs):
+                fn()
+            if after_warmup is not None:
+                after_warmup()
+            _torch_internals.free_cublas_workspaces()
+            graph.capture_begin(pool=pool)
+            try:
+                result = fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        return result
+
+    def recover(self) -> None:
+        """Leave no trace of a capture that raised, so later captures work.
+
+        A failed capture can leave the allocator recording into the pool and the CUDA RNG in capture
+        mode (then any random op raises "Offset increment outside graph capture encountered
+        unexpectedly"; seen on torch 2.11). We stop the recording, retire the pool and open a fresh
+        one right away: its keeper capture is a capture that succeeds, which puts the RNG back.
+        """
+        if self._pool is None:
+            return
+        self._retired.append(self._pool)
+        _torch_internals.stop_pool_recording(self.index, self._pool[0])
+        self._pool = None
+        torch.cuda.synchronize(self.index)
+        self.pool  # noqa: B018 - opens the fresh pool now
+
+    def pool_bytes(self) -> int:
+        """Bytes the CUDA allocator holds for this device's pools, live and retired (measured: the
+        sum of their segments in ``torch.cuda.memory_snapshot()``; segments stay with a pool once
+        allocated, so this is its high-water mark)."""
+        handles = {tuple(h) for h, _ in self._retired}
+        if self._pool is not None:
+            handles.add(tuple(self._pool[0]))
+        if not handles:
+            return 0
+        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+                   if seg.get("device") == self.index and tuple(seg.get("segment_pool_id", ())) in handles)
+
+
+_DEVICES: dict[int, DeviceGraphs] = {}
+
+
+def device_graphs(device: torch.device) -> DeviceGraphs:
+    """The :class:`DeviceGraphs` of a CUDA device (created on first use, kept for the process)."""
+    index = device_index(device)
+    if index not in _DEVICES:
+        _DEVICES[index] = DeviceGraphs(index)
+    return _DEVICES[index]
+
+
+def pool_bytes(device: torch.device | int | None = None) -> int:
+    """Bytes the CUDA allocator holds for this package's graph pools on ``device`` (0 if none yet)."""
+    if not torch.cuda.is_available():
+        return 0
+    index = device if isinstance(device, int) else device_index(device or torch.device("cuda"))
+    return _DEVICES[index].pool_bytes() if index in _DEVICES else 0

@@ -1,0 +1,188 @@
+"""Capturing sizes before any call needs them (``capture()``, ``eager_capture_sizes``), with no side
+effects on the caller's state.
+
+To capture size 64 we must run every compute piece at 64 with inputs at the right addresses, but
+we have no batch of 64 to run. Running the whole graph on made-up inputs would run its eager pieces
+too, and those write the caller's KV cache. So only the compute pieces run (they never write a
+caller's tensor except, in full mode, buffers the graph itself writes at the positions it is given),
+in order, fed by zero stand-ins for everything else:
+
+* weights and buffers: the real tensors, remembered from the graph's first call;
+* other graph inputs and the eager pieces' outputs: zeros shaped from their fake values, with the
+  batch symbol set to the size being captured (zeros are valid token ids and harmless activations);
+* earlier compute pieces' outputs: the real captured outputs, as in a real step, so each piece is
+  captured reading its predecessor's pool memory and a later real step replays with no copies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Iterable
+
+import torch
+import torch.fx
+
+from ..kinds import CaptureHow, Miss
+from ..symbolic import materialize, symbol_values
+
+
+def _progress(items: list, desc: str):
+    """A tqdm bar that appears only if the loop takes more than a second (plain list without tqdm)."""
+    try:
+        from tqdm import tqdm  # the text bar: tqdm.auto warns in a notebook without ipywidgets
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, delay=1.0, unit="size", leave=False)
+
+
+class UpFrontCapture:
+    """What capturing without a real call needs from the graph's first call, and the capture itself.
+
+    ``graph`` is the :class:`~.compiled_graph.CompiledGraph` this belongs to (its policy, runners,
+    step and capture bookkeeping), held weakly: a cycle would keep a graph Dynamo dropped, and its
+    CUDA graphs' memory, alive until the next garbage collection.
+    """
+
+    def __init__(self, graph):
+        self.graph = weakref.proxy(graph)
+        self._template: list | None = None  # first call's weights and scalars
+        self._key: tuple = ()
+        self._values: dict = {}
+
+    @property
+    def remembered(self) -> bool:
+        return self._template is not None
+
+    def remember(self, key: tuple, args: tuple) -> None:
+        """Keep what capture() needs from a real call: weights (by reference) and symbol values."""
+        static = self.graph.plan.inputs.static_inputs
+        self._template = [a if i in static or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
+        self._key = key
+        self._values = symbol_values(self.graph.plan.inputs.fake_inputs, args)
+
+    def use_weights(self, args: tuple) -> None:
+        """capture() uses these weights from now on (and not the old ones)."""
+        if self._template is not None:
+            static = self.graph.plan.inputs.static_inputs
+            self._template = [args[i] if i in static else t for i, t in enumerate(self._template)]
+
+    def refusal(self) -> str | None:
+        """Why this graph cannot capture up front now (None: it can)."""
+        graph = self.graph
+        if graph.graphs_disabled_reason is not None:
+            return f"graph {graph.serial} cannot capture: {graph.graphs_disabled_reason}."
+        if graph.pad_position is None:
+            return (f"graph {graph.serial} has no dynamic batch size (Dynamo specialised it); it captures its "
+                    f"one shape on its first call. Compile with dynamic=True or "
+                    f"torch._dynamo.mark_dynamic(input, 0) to capture sizes up front.")
+        if self._template is None:
+            return (f"graph {graph.serial} has not been called yet; call the compiled model once (capture() "
+                    f"takes the weights and other sizes from that call).")
+        if graph.unmasked_writes:
+            return f"graph {graph.serial} cannot capture up front: {self.no_up_front_capture()}"
+        return None
+
+    def no_up_front_capture(self) -> str:
+        return (f"its compute pieces write {', '.join(self.graph.unmasked_writes)} (full mode) at positions the "
+                f"inputs give, and capturing on made-up inputs would write garbage there. Its sizes are captured "
+                f"lazily, on the first real call at each size.")
+
+    def row_limit(self) -> int | None:
+        """The most rows a padded or up-front batch may have (a KV cache's batch dim), None: no limit."""
+        policy = self.graph.policy
+        return policy.row_limit(self._key) if policy.row_limit is not None else None
+
+    def capture_eager_sizes(self) -> None:
+        """``eager_capture_sizes``, on the first call, before its output."""
+        graph = self.graph
+        if not graph.config.eager_sizes or graph.pad_position is None:
+            return
+        if graph.unmasked_writes:
+            graph.warn_once("eager sizes", f"piecewise: graph {graph.serial}: eager_capture_sizes ignored: "
+                                           f"{self.no_up_front_capture()}")
+            return
+        rows, sizes = self.row_limit(), graph.config.eager_sizes
+        if rows is not None and any(s > rows for s in sizes):
+            graph.warn_once("eager rows", f"piecewise: graph {graph.serial}: eager_capture_sizes above {rows} are "
+                                          f"not captured: the graph reads or writes tensors of {rows} rows by "
+                                          f"batch row (a KV cache's batch dim).")
+            sizes = tuple(s for s in sizes if s <= rows)
+        self.capture(sizes)
+
+    def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
+        """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured.
+
+        ``sizes``: capture sizes, or ``"all"``. Needs one earlier call (for the weights and the
+        sizes of other dynamic dims). Stops, with a warning, at the first size the budget refuses.
+        Shows a progress bar (tqdm) when it takes more than a moment.
+        """
+        graph = self.graph
+        refusal = self.refusal()
+        if refusal is not None:
+            raise RuntimeError(f"piecewise: {refusal}")
+        todo = [k for k in self._keys(sizes) if k not in graph.captured]
+        done = []
+        for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
+            plan = graph.policy.admit(key, graph.captured, graph.pool_bytes)
+            if not plan.capture:
+                graph.warn_once(Miss.OVER_BUDGET, f"piecewise: graph {graph.serial}: stopped capturing at shape "
+                                                  f"key {key}: {plan.detail}.")
+                break
+            self._capture_key(key)
+            done.append(key)
+        return done
+
+    def _keys(self, sizes) -> list[tuple]:
+        """The shape keys of ``sizes`` (checked), largest first."""
+        graph, policy = self.graph, self.graph.policy
+        every = isinstance(sizes, str) and sizes == "all"
+        sizes = policy.sizes if every else tuple(sizes)
+        unknown = [s for s in sizes if s not in policy.sizes]
+        if unknown:
+            raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {graph.serial}; "
+                             f"its capture sizes are {list(policy.sizes)}.")
+        rows = self.row_limit()
+        too_many = [s for s in sizes if rows is not None and s > rows]
+        if too_many and not every:
+            raise ValueError(f"piecewise: graph {graph.serial} reads or writes tensors of {rows} rows by batch row "
+                             f"(a KV cache's batch dim); sizes {too_many} would reach past them.")
+        sizes = tuple(s for s in sizes if s not in too_many)
+        return [policy.with_size(self._key, s) for s in sorted(set(sizes), reverse=True)]
+
+    def _capture_key(self, key: tuple) -> None:
+        graph, plan = self.graph, self.graph.plan
+        graph.step.replay(key, key[graph.pad_position], False)
+        values = {**self._values, **dict(zip(plan.key.symbols, key))}
+        scalars = graph.step_scalars.writes_disabled() if graph.step_scalars is not None else contextlib.nullcontext()
+        with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
+            graph.capturing_step(key, CaptureHow.EAGER, values, lambda: run_compute_pieces(
+                plan.split.graph_module, graph.runners, plan.fake_outputs, plan.inputs.fake_inputs, self._template,
+                plan.inputs.static_inputs, values))
+
+
+class _ComputeOnlyRun(torch.fx.Interpreter):
+    """Runs the split graph's compute pieces; eager pieces are replaced by zero stand-ins."""
+
+    def __init__(self, split_gm, runners: dict, fake_outputs: dict, values: dict, device):
+        super().__init__(split_gm)
+        self.runners = runners
+        self.fake_outputs = fake_outputs
+        self.values = values
+        self.device = device
+
+    def call_module(self, target, args, kwargs):
+        if target in self.runners:
+            return self.runners[target](*args)
+        return materialize(self.fake_outputs[target], self.values, self.device)
+
+
+def run_compute_pieces(split_gm, runners: dict, fake_outputs: dict, fake_inputs: list, template: list,
+                       static_inputs: frozenset, values: dict) -> None:
+    """Run every compute piece once on stand-ins at the symbol ``values`` (the runners capture)."""
+    device = next(f.device for f in fake_inputs if isinstance(f, torch.Tensor))
+    inputs = [template[i] if i in static_inputs or not isinstance(fake, torch.Tensor)
+              and not isinstance(fake, torch.SymInt) else materialize(fake, values, device)
+              for i, fake in enumerate(fake_inputs)]
+    with torch.no_grad():
+        _ComputeOnlyRun(split_gm, runners, fake_outputs, values, device).run(*inputs)

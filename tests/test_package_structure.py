@@ -1,0 +1,134 @@
+"""The package stays easy to live in: no import circles, small modules and functions, no toys shipped,
+and private torch APIs only in ``_torch_internals.py``. Read from the source (no import needed)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import re
+import tokenize
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "piecewise_backend"
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _package_of(name: str, path: pathlib.Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """Modules of the package that ``path`` imports (at any level, type-checking imports left out)."""
+    name = _module_name(path)
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                 and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+    out = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in known}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = _package_of(name, path).split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([node.module] if node.module else []))
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                out.add(target if target in known else base)
+    return {m for m in out if m in known and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    known = {_module_name(p) for p in MODULES}
+    return {_module_name(p): _imports(p, known) for p in MODULES}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle among the package's modules (a package's ``__init__`` re-exporting its own
+    submodules is not one: importing a submodule runs it first anyway), or None."""
+    def edges(module):
+        return {m for m in graph[module] if not (module.startswith(m + ".") and m in graph)}
+
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module):
+        state[module] = 1
+        stack.append(module)
+        for nxt in sorted(edges(module)):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = _graph()
+    assert "piecewise_backend.runtime.compiled_graph" in graph["piecewise_backend.backend"]  # the checker sees edges
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_cycle_checker_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_no_module_over_400_lines_and_no_function_over_60():
+    long_modules = {p.name: n for p in MODULES if (n := len(p.read_text().splitlines())) > 400}
+    long_functions = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                long_functions.append(f"{path.name}:{node.lineno} {node.name}")
+    assert not long_modules and not long_functions, (long_modules, long_functions)
+
+
+def test_no_toy_or_timing_module_ships_in_the_package():
+    assert not [p.name for p in MODULES if re.match(r"(toy_|timing)", p.name)]
+
+
+def _code_without_strings(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line number, code) of each token that is not a string, f-string part or comment."""
+    skip = {tokenize.STRING, tokenize.COMMENT} | {getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE",
+                                                                             "FSTRING_END") if hasattr(tokenize, n)}
+    with path.open("rb") as f:
+        return [(t.start[0], t.string) for t in tokenize.tokenize(f.readline) if t.type not in skip]
+
+
+def test_private_torch_apis_only_in_torch_internals():
+    private = re.compile(r"^torch\._(?!dynamo\.(mark_dynamic|reset)$)|^\.node\.expr|^\._schema\b|StorageWeakRef"
+                         r"|lazy_format_graph_code|^\._codegen\b")
+    found = []
+    for path in MODULES:
+        if path.name == "_torch_internals.py":
+            continue
+        tokens = _code_without_strings(path)
+        for i in range(len(tokens)):
+            dotted = "".join(t for _, t in tokens[i:i + 5])  # torch . _C . _nn
+            if private.search(dotted):
+                found.append(f"{path.relative_to(PACKAGE)}:{tokens[i][0]}: {dotted}")
+    assert not found, "\n".join(found)
+
+
+def test_every_package_folder_is_a_package():
+    """``setup.cfg``'s ``find:`` ships only folders with an ``__init__.py``: a missing one drops its modules."""
+    folders = {p.parent for p in MODULES}
+    assert not [str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").exists()]
