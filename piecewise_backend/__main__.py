@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compiled_graphs
+from .kinds import PieceKind
 
 
 class _Layer(nn.Module):
@@ -82,7 +83,7 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
 def _show_pieces(graph) -> None:
     print("\npieces of the decode graph, in order:")
     for p in graph.pieces:
-        if p.kind == "compute":
+        if p.kind == PieceKind.COMPUTE:
             first = graph.compiled[p.name].shared_with
             what = "compiled" if first == p.name else f"reuses {first}'s code"
         else:

@@ -249,7 +249,8 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     return GraphPlan(
         split=split, compiled=dict(compiled),
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names, unmasked),
-        signatures=dict(signatures), code=_piece_code(split), inputs=inputs, fake_outputs=dict(fake_outputs), key=key, padding=padding,
+        signatures=dict(signatures), code=_piece_code(split), inputs=inputs, fake_outputs=dict(fake_outputs),
+        key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         agreement=rank_agreement(inputs.graph_module.graph),

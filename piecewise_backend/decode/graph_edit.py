@@ -9,6 +9,7 @@ writes (``kv_writes.py``) and the RoPE reads (``rope_reads.py``) are both built 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import operator
 
 import torch
@@ -19,13 +20,21 @@ from .. import graph_facts as facts
 from .step_scalars import ENABLE
 
 
+class Dim(enum.Enum):
+    """How a site indexes one dim of its buffer."""
+
+    FULL = "full"  # ``:``, the whole dim (with its size)
+    PREFIX = "prefix"  # ``:stop``, stop an int or a graph input (``cache[:B]``)
+    STEP = "step"  # ``pos:pos + n``, pos a per-step input
+    INDEX = "index"  # ``index_copy_``'s own index tensor
+
+
 @dataclasses.dataclass(frozen=True)
 class Site:
     node: torch.fx.Node  # the write (a setitem or an index_copy_), or the read (a getitem)
     buffer: torch.fx.Node
     value: torch.fx.Node | None  # what a write writes
-    # per indexed dim: ("full", size) | ("prefix", int or placeholder) | ("step", placeholder, n)
-    # | ("index", index tensor node)
+    # per indexed dim: (FULL, size) | (PREFIX, int or placeholder) | (STEP, placeholder, n) | (INDEX, node)
     dims: tuple
 
 
@@ -34,9 +43,9 @@ def slice_dim(s, d: int, buffer_value: torch.Tensor, steps: frozenset, placehold
     if not isinstance(s, slice) or s.step is not None or s.start is not None:
         return None
     if s.stop is None:
-        return ("full", int(buffer_value.shape[d]))
+        return (Dim.FULL, int(buffer_value.shape[d]))
     if isinstance(s.stop, int) or (s.stop in placeholders and not facts.is_per_step(s.stop, steps)):
-        return ("prefix", s.stop)
+        return (Dim.PREFIX, s.stop)
     return None
 
 
@@ -54,7 +63,7 @@ def slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, place
             n = value.shape[d]
             if s.step is not None or start not in placeholders or not isinstance(n, int):
                 return None
-            dims.append(("step", start, n))
+            dims.append((Dim.STEP, start, n))
             step_dims += 1
         else:
             dims.append(slice_dim(s, d, buffer_value, steps, placeholders))
@@ -91,15 +100,15 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
     for d, dim in enumerate(site.dims):
         shape = [1] * (last + 1)
         shape[d] = -1
-        if dim[0] == "index":  # index_copy_'s own index tensor
+        if dim[0] == Dim.INDEX:  # index_copy_'s own index tensor
             out.append(add("call_method", "view", dim[1], shape))
             continue
-        size = dim[1] if dim[0] != "step" else dim[2]
+        size = dim[1] if dim[0] != Dim.STEP else dim[2]
         rows = add("call_function", torch.arange, size, device=device)
-        if dim[0] == "step":
+        if dim[0] == Dim.STEP:
             start = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
             rows = add("call_function", operator.add, rows, start)
-        elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node) and masked:
+        elif dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node) and masked:
             limit = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
             keep = add("call_function", operator.lt, rows, limit)
             full_shape = [1] * ndim

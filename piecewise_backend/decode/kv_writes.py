@@ -41,7 +41,7 @@ import torch
 import torch.fx
 
 from .. import graph_facts as facts
-from .graph_edit import Builder, Site, indices, slice_dim, slice_dims
+from .graph_edit import Builder, Dim, Site, indices, slice_dim, slice_dims
 
 
 def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset,
@@ -63,9 +63,9 @@ def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, st
     dim = args[1] % buffer_value.dim()
     slices = slices + (slice(None),) * (dim + 1 - len(slices))
     dims = [slice_dim(s, d, buffer_value, steps, placeholders) for d, s in enumerate(slices)]
-    if None in dims or dims[dim][0] != "full":
+    if None in dims or dims[dim][0] != Dim.FULL:
         return None
-    dims[dim] = ("index", args[2])
+    dims[dim] = (Dim.INDEX, args[2])
     return tuple(dims)
 
 
@@ -118,5 +118,5 @@ def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mod
     if view is not site.buffer and not view.users:  # index_copy_'s view of the buffer, now unused
         graph.erase_node(view)
     rows = tuple((site.buffer, d) for d, dim in enumerate(site.dims)
-                 if dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node))
+                 if dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node))
     return {old: rows, put: rows}

@@ -27,7 +27,7 @@ import torch.fx
 from .. import _torch_internals
 from .. import graph_facts as facts
 from .graph_attention import AttentionSite, find_attention_sites, rewrite_attention
-from .graph_edit import Builder, Site
+from .graph_edit import Builder, Dim, Site
 from .kv_writes import find_kv_writes, rewrite_kv_write
 from .prefix_views import find_prefix_views, rewrite_prefix_view
 from .rope_reads import find_reads, rewrite_read
@@ -66,16 +66,16 @@ def _bounds(graph: torch.fx.Graph, sites: _Sites) -> Slots:
     slots = Slots(graph)
     for site in sites.reads:
         for d, dim in enumerate(site.dims):
-            if dim[0] == "step":
+            if dim[0] == Dim.STEP:
                 slots.need(dim[1], 0, 0, int(facts.example_value(site.buffer).shape[d]) - dim[2],
                            f"the read of {site.buffer.name} at dim {d}")
     for site in sites.writes:
         shape = facts.example_value(site.buffer).shape
         for d, dim in enumerate(site.dims):
             what = f"the write into {site.buffer.name} at dim {d}"
-            if dim[0] == "step":
+            if dim[0] == Dim.STEP:
                 slots.need(dim[1], 0, 0, int(shape[d]) - dim[2], what)
-            elif dim[0] == "prefix" and isinstance(dim[1], torch.fx.Node):
+            elif dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node):
                 slots.need(dim[1], 0, 0, int(shape[d]), what)
     for site in sites.attention:
         slots.need(*site.length, 1, site.size, f"the attention over {site.buffers[0].name}")
