@@ -19,7 +19,6 @@ import torch
 
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from toys.models import sdpa_backends
 from suite import toy_model
 
 POS = 8
@@ -123,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     model = toy_model("16L", "cuda", layers=args.layers, max_batch=args.max_size, max_seq=64)
     cfg = model.cfg
-    with torch.inference_mode(), sdpa_backends("cuda"):
+    with torch.inference_mode():  # torch's SDPA defaults, as a user's
         memory = all_sizes_up_front(model, args.max_size)
         one = one_size(model)
     result = {

@@ -89,7 +89,7 @@ def step_breakdown(args, device: str) -> dict:
     cfg = model.cfg
     options = {"graph_attention": False} if args.eager_attention else {}
     step = torch.compile(model, backend="piecewise", options=options)
-    with torch.inference_mode(), sdpa_backends(device):
+    with torch.inference_mode():  # torch's SDPA defaults, as a user's
         reset_caches(model)
         logits = step(torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device), 0)
         pos = args.prompt
@@ -155,9 +155,10 @@ def op_costs(args, device: str) -> dict:
     costs["kv slice write (setitem)"] = _per_call_us(write)
     costs["kv prefix view (getitem)"] = _per_call_us(lambda: cache[:b, :, :pos + 1])
     keys = cache[:b, :, :pos + 1]
-    with sdpa_backends(device):
+    with sdpa_backends(device):  # pinned, as the row's name says
         costs["sdpa (flash/efficient)"] = _per_call_us(
             lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
+    costs["sdpa (torch default)"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
     costs["data_ptr()"] = _per_call_us(lambda: k.data_ptr(), 20000)
     costs["copy_ (small)"] = _per_call_us(lambda: q.copy_(k))
     if device == "cuda":

@@ -17,8 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 from piecewise_backend.runtime.devices import synchronize
-from toys.models import ToyLlama, ToyStaticCacheLlama, reset_caches, sdpa_backends
-from suite import MODELS, compiled_variant, next_ids, toy_model
+from toys.models import ToyLlama, ToyStaticCacheLlama, reset_caches
+from suite import MODELS, PINNED, base_variant, compiled_variant, next_ids, sdpa_setting, toy_model
 
 
 def main() -> None:
@@ -34,17 +34,18 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tensor_pos = args.variant == "piecewise-full-static"
+    variant = base_variant(args.variant)
+    tensor_pos = variant == "piecewise-full-static"
     model = toy_model(args.model, device, ToyStaticCacheLlama if tensor_pos else ToyLlama, max_batch=args.batch,
                       max_seq=args.prompt + args.warmup + args.steps + 8)
     cfg = model.cfg
-    step = model if args.variant == "eager" else compiled_variant(args.variant, model)
+    step = model if variant == "eager" else compiled_variant(variant, model, args.variant.endswith(PINNED))
 
     def where(p, n):
         return torch.arange(p, p + n, device=device) if tensor_pos else p
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch.inference_mode(), sdpa_backends(device):
+    with torch.inference_mode(), sdpa_setting(args.variant, device):
         reset_caches(model)
         logits = step(torch.randint(0, cfg.vocab, (args.batch, args.prompt), device=device), where(0, args.prompt))
         pos = args.prompt

@@ -49,7 +49,13 @@ host time counting only where it leaves the GPU waiting. Every variant is timed 
 same process; the pipelined runs come after all the waiting ones (per batch, after the last round),
 so they do not change what the waiting runs meet. Reduce-overhead's pipelined runs therefore
 replay KV lengths it has already recorded; its waiting runs meet new ones in round 1. A variant that fails is a row with its
-error, never a skip. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
+error, never a skip.
+
+SDPA runs with torch's defaults, as a user's does (rows say ``"sdpa": "torch default"``). A variant
+named with the suffix ``+pinned-sdpa`` (``piecewise+pinned-sdpa``, ``limit+pinned-sdpa``, ...) is the
+same variant compiled and timed under ``sdpa_kernel([FLASH, EFFICIENT])``, as every row was before
+the backend chose the eager attention's kernels itself (``eager_sdpa_backends``): the two side by side
+show what a user's defaults cost. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
 (empty Inductor cache) and warm (second process, same cache), for ``inductor`` and ``piecewise``.
 """
 
@@ -72,6 +78,7 @@ import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
 from piecewise_backend.runtime.devices import synchronize
 from timing import time_decode, timed
+from toys.idioms import WholeCacheLlama
 from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
 from plot import SAME_PROCESS_LIMIT
@@ -80,9 +87,22 @@ MODELS = {
     **BENCHMARK_SIZES,
     "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
 }
-VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise", "piecewise-kv-eager",
-            "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full", "piecewise-full-skip-guards",
-            "piecewise-full-static", "limit", "limit-full")
+# the same sizes, written in an idiom other than the toys' own (``toys/idioms.py``): key -> (size, class)
+IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28L", "tiny")}
+BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
+                 "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full",
+                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full")
+PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]); see the docstring
+VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
+
+
+def base_variant(variant: str) -> str:
+    return variant[:-len(PINNED)] if variant.endswith(PINNED) else variant
+
+
+def sdpa_setting(variant: str, device: str):
+    """The SDPA setting a variant runs under: torch's defaults, unless its name says pinned."""
+    return sdpa_backends(device) if variant.endswith(PINNED) else contextlib.nullcontext()
 # variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
 # options: where that variant is in the same process and compiled first, Dynamo serves its cache
 # entries and this one compiles nothing of its own)
@@ -101,8 +121,9 @@ def next_ids(logits: torch.Tensor) -> torch.Tensor:
     return next_tokens(logits, mark_batch_dynamic=True)
 
 
-def model_name(cfg: ToyConfig) -> str:
-    return f"llama-{cfg.layers}L-{cfg.hidden}"
+def model_name(model) -> str:
+    idiom = getattr(model, "idiom", None)
+    return f"llama-{model.cfg.layers}L-{model.cfg.hidden}" + (f"-{idiom}" if idiom else "")
 
 
 def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False):
@@ -245,25 +266,28 @@ def replay_ms(replay, steps: int, device: str, pipelined: bool = False) -> tuple
     return statistics.median(second_half(times, steps)), replay.median_ms(steps)
 
 
-def compiled_variant(variant: str, model):
+def compiled_variant(variant: str, model, pinned: bool = False):
+    """``variant`` compiled. ``pinned``: its ``+pinned-sdpa`` twin, compiled with one option more
+    (a no-op for Inductor, the same pin for the backend's eager attention) so that Dynamo keeps its
+    cache entries apart from the unpinned variant's: Inductor picks SDPA's kernel at compile time,
+    and equal backends share Dynamo's cache within a process."""
     variant = SKIP_GUARDS.get(variant, variant)
+    inductor_extra = {"max_autotune": False} if pinned else {}
+    piecewise_extra = {"eager_sdpa_backends": ["flash", "efficient"]} if pinned else {}
     if variant == "inductor":
-        return torch.compile(model)
+        return torch.compile(model, options=inductor_extra or None)
     if variant == "reduce-overhead":
-        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False})
+        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False, **inductor_extra})
     if variant == "reduce-overhead+partition":
-        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True})
-    if variant == "piecewise":
-        return torch.compile(model, backend="piecewise")
-    if variant == "piecewise-eager-attention":
-        return torch.compile(model, backend="piecewise", options={"graph_attention": False})
-    if variant == "piecewise-kv-eager":
-        return torch.compile(model, backend="piecewise", options={"capture_kv_writes": False, "graph_attention": False})
-    if variant == "piecewise-full":
-        return torch.compile(model, backend="piecewise", options={"mode": "full"})
-    if variant == "piecewise-full-static":  # its masked attention over the whole cache: nothing to rewrite
-        return torch.compile(model, backend="piecewise", options={"mode": "full", "graph_attention": False})
-    raise ValueError(variant)
+        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True, **inductor_extra})
+    options = {"piecewise": {}, "piecewise-eager-attention": {"graph_attention": False},
+               "piecewise-kv-eager": {"capture_kv_writes": False, "graph_attention": False},
+               "piecewise-full": {"mode": "full"},
+               # its masked attention over the whole cache: nothing to rewrite
+               "piecewise-full-static": {"mode": "full", "graph_attention": False}}
+    if variant not in options:
+        raise ValueError(variant)
+    return torch.compile(model, backend="piecewise", options={**options[variant], **piecewise_extra} or None)
 
 
 def piecewise_facts(graphs: list) -> dict:
@@ -300,6 +324,17 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     (first call seconds, ``measure(pipelined=False)`` giving one decode run's median step ms and host ms,
     ``facts()`` giving the row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
     resets before each variant, the interleaved one before each batch."""
+    with sdpa_setting(variant, device):
+        first_s, measure, facts = _prepared(base_variant(variant), model, twin, batch, args, device,
+                                            pinned=variant.endswith(PINNED))
+
+    def measure_as_named(pipelined: bool = False):
+        with sdpa_setting(variant, device):
+            return measure(pipelined)
+    return first_s, measure_as_named, facts
+
+
+def _prepared(variant: str, model, twin, batch: int, args, device: str, pinned: bool):
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
     compiles_before = inductor_compiles()
     if variant in ("limit", "limit-full"):
@@ -311,7 +346,7 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
         step, target = model, model
     else:
         target = twin if variant == "piecewise-full-static" else model
-        step = compiled_variant(variant, target)
+        step = compiled_variant(variant, target, pinned)
     tensor_pos = variant == "piecewise-full-static"
     _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
     compiles = _since(compiles_before)
@@ -338,10 +373,23 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
 
 def models_for(key: str, args, device: str):
     """The model sized for the run, and its graph-safe twin with the same weights."""
+    if key in IDIOMS:  # no graph-safe twin: the full-static variants are the toys' own
+        size, cls = IDIOMS[key]
+        return toy_model(size, device, cls, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8), None
     model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
     twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=model.cfg.max_batch, max_seq=model.cfg.max_seq)
     twin.load_state_dict(model.state_dict())
     return model, twin
+
+
+def _size_caches(model, batch: int) -> None:
+    """A model whose caches hold exactly the batch (``toys/idioms.py``) gets new ones per batch."""
+    if hasattr(model, "set_batch"):
+        model.set_batch(batch)
+
+
+def _sdpa_label(variant: str) -> str:
+    return "pinned flash/efficient" if variant.endswith(PINNED) else "torch default"
 
 
 def _error(exc: Exception) -> str:
@@ -386,20 +434,20 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
         return interleaved_rows(args, device, rows)
     for key in args.models:
         model, twin = models_for(key, args, device)
-        cfg = model.cfg
         for batch in args.batches:
+            _size_caches(model, batch)
             batch_rows = []
             for variant in args.variants:
-                row = {"model": model_name(cfg), "variant": variant, "batch": batch}
+                row = {"model": model_name(model), "variant": variant, "batch": batch}
                 batch_rows.append(row)
                 try:
                     torch._dynamo.reset()
-                    with torch.inference_mode(), sdpa_backends(device):
+                    with torch.inference_mode():
                         first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
                         step_ms, host_ms = measure()
                         clock = sm_clock_mhz(device)
                         row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4), sm_clock_mhz=clock,
-                                   first_call_s=round(first_s, 3), **facts())
+                                   first_call_s=round(first_s, 3), sdpa=_sdpa_label(variant), **facts())
                         row["pipelined_ms"] = _pipelined_ms(row, measure)
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
@@ -424,13 +472,14 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     for key in args.models:
         model, twin = models_for(key, args, device)
-        cfg = model.cfg
         for batch in args.batches:
+            _size_caches(model, batch)
             torch._dynamo.reset()
             batch_rows, measures, facts = {}, {}, {}
-            with torch.inference_mode(), sdpa_backends(device):
+            with torch.inference_mode():
                 for variant in args.variants:
-                    row = batch_rows[variant] = {"model": model_name(cfg), "variant": variant, "batch": batch}
+                    row = batch_rows[variant] = {"model": model_name(model), "variant": variant, "batch": batch,
+                                                 "sdpa": _sdpa_label(variant)}
                     try:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
@@ -489,7 +538,7 @@ def first_output(variant: str, model_key: str, device: str) -> None:
     model = toy_model(model_key, device, max_batch=1, max_seq=300)
     ids = torch.randint(0, model.cfg.vocab, (1, 256), device=device)
     compiling = _compile_span()
-    with torch.inference_mode(), sdpa_backends(device):
+    with torch.inference_mode():  # torch's SDPA defaults, as a user starts
         synchronize(device)
         start = time.perf_counter()
         step = torch.compile(model) if variant == "inductor" else torch.compile(model, backend="piecewise")
@@ -553,7 +602,7 @@ def startup_rows(args, device: str, rows: list) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out")
-    parser.add_argument("--models", nargs="+", default=["16L", "28L"], choices=sorted(MODELS))
+    parser.add_argument("--models", nargs="+", default=["16L", "28L"], choices=sorted(MODELS) + sorted(IDIOMS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=40)

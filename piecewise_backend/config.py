@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
 
 CAPTURE_SCHEMES = ("default", "powers_of_two")
+SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # names for eager_sdpa_backends
 MODES = ("piecewise", "full")
 
 
@@ -78,6 +79,12 @@ class PiecewiseConfig:
             attention, so a decode step is one graph. On by default since it won at every batch
             on the H200; ``False`` keeps decode attention eager between the pieces (SDPA's own
             kernels), as for prefill and any attention it does not match.
+        eager_sdpa_backends: the SDPA kernels the eager attention pieces may use while the graph
+            runs (``runtime/sdpa_backends.py``). ``"auto"``: cuDNN attention off when an eager SDPA
+            call's KV length changes between calls (cuDNN re-plans every new shape, ~9 ms of host
+            time on the H200), torch's choice otherwise. ``"torch"``: torch's choice, untouched. A
+            list of ``"flash"``, ``"efficient"``, ``"math"``, ``"cudnn"``: exactly those. Your own
+            settings are restored after every call.
     """
 
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
@@ -96,6 +103,7 @@ class PiecewiseConfig:
     max_weight_sets: int = 4
     capture_kv_writes: bool = True
     graph_attention: bool = True
+    eager_sdpa_backends: Any = "auto"
 
     @property
     def all_splitting_ops(self) -> frozenset[str]:
@@ -154,6 +162,8 @@ class PiecewiseConfig:
             if options.get(key) is not None:
                 _check_int(options[key], key, minimum=0, hint="or None for no cap")
         _check_sizes(options)
+        if "eager_sdpa_backends" in options:
+            options["eager_sdpa_backends"] = _sdpa_backends(options["eager_sdpa_backends"])
         return cls(**options)
 
 
@@ -206,3 +216,13 @@ def _check_sizes(options: dict) -> None:
 
 def _short(sizes: tuple[int, ...]) -> str:
     return str(list(sizes)) if len(sizes) <= 12 else f"[{', '.join(map(str, sizes[:6]))}, ..., {sizes[-1]}]"
+
+
+def _sdpa_backends(value):
+    if value in ("auto", "torch"):
+        return value
+    names = (value,) if isinstance(value, str) else value
+    if not isinstance(names, (list, tuple)) or not names or any(n not in SDPA_BACKENDS for n in names):
+        raise ValueError(f"piecewise backend: option 'eager_sdpa_backends' must be 'auto', 'torch' or a non-empty "
+                         f"list of {', '.join(map(repr, SDPA_BACKENDS))}; got {value!r}.")
+    return tuple(dict.fromkeys(names))

@@ -27,6 +27,7 @@ from .padding import PiecePadding, plan_padding
 from .row_independence import Capacity, evaluate_rows
 from .runtime.distributed import RankAgreement, rank_agreement
 from .runtime.emulation import emulating
+from .runtime.sdpa_backends import SdpaBackends, choose as choose_sdpa_backends
 from .splitting import SplitGraph
 
 
@@ -114,6 +115,7 @@ class GraphPlan:
     graphs_disabled_reason: str | None  # why this graph never captures, None: it does
     unmasked_writes: tuple  # buffers compute pieces write at the caller's positions (full mode)
     agreement: RankAgreement | None  # ranks that must decide captures together
+    sdpa_backends: SdpaBackends | None  # the SDPA kernels eager attention may use (None: torch's choice)
     inductor_compiles: int
     inductor_seconds: float
 
@@ -254,4 +256,5 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         agreement=rank_agreement(inputs.graph_module.graph),
+        sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends, split.graph_module, split.pieces),
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds)

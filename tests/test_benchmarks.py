@@ -40,6 +40,23 @@ def test_suite_rows_include_failures_as_rows():
     assert by_variant["eager"]["inductor_compiled"] == by_variant["eager"]["inductor_cache_hits"] == 0
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path")
+def test_rows_say_their_sdpa_setting_and_a_pinned_twin_compiles_its_own_graphs():
+    """Rows run with torch's SDPA defaults unless the variant's name says pinned; the pinned twin,
+    interleaved in the same process, must not be served the unpinned variant's compiled graphs
+    (Inductor picks SDPA's kernel at compile time)."""
+    args = argparse.Namespace(models=["tiny"], batches=[2], steps=3, prompt=4, rounds=2,
+                              variants=["piecewise", "piecewise+pinned-sdpa", "inductor", "inductor+pinned-sdpa"])
+    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    assert {v: r["sdpa"] for v, r in rows.items()} == {
+        "piecewise": "torch default", "piecewise+pinned-sdpa": "pinned flash/efficient",
+        "inductor": "torch default", "inductor+pinned-sdpa": "pinned flash/efficient"}
+    assert all(r["step_ms"] > 0 for r in rows.values()), rows
+    assert rows["piecewise+pinned-sdpa"]["piecewise"]["compute_pieces"] == 3  # graphs of its own
+    pinned = rows["inductor+pinned-sdpa"]
+    assert pinned["inductor_compiled"] + pinned["inductor_cache_hits"] > 0, pinned  # compiled, not Dynamo-cached
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
 def test_interleaved_rounds_time_every_variant_each_round():
     import statistics

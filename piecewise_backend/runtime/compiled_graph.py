@@ -61,6 +61,7 @@ class CompiledGraph:
         self._graphs_off = plan.graphs_disabled_reason is not None
         self._any_requires_grad = plan.any_requires_grad
         self._shape_key = plan.key.of
+        self._sdpa_backends = plan.sdpa_backends
 
     def _wrap_pieces(self) -> dict[str, PieceRunner]:
         """Replace each compute submodule by its runner (an instance attribute shadows the registered
@@ -109,6 +110,11 @@ class CompiledGraph:
     # -- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
+        if self._sdpa_backends is None:
+            return self._dispatch(args)
+        return self._sdpa_backends.call(self._dispatch, (args,))
+
+    def _dispatch(self, args: tuple):
         if self.step_scalars is not None:
             args = self.step_scalars.refresh(args)  # positions of the KV writes moved into the graphs
         step = self.step
@@ -252,4 +258,5 @@ def _new_stats(plan: GraphPlan) -> GraphStats:
     return GraphStats(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
                       num_split_pieces=len(plan.split.pieces) - compute, inductor_compiles=plan.inductor_compiles,
                       inductor_seconds=plan.inductor_seconds, graphs_disabled_reason=plan.graphs_disabled_reason,
-                      padding=plan.padding.note)
+                      padding=plan.padding.note,
+                      eager_sdpa=plan.sdpa_backends.reason if plan.sdpa_backends is not None else "")

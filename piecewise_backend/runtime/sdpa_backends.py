@@ -1,0 +1,93 @@
+"""Which SDPA kernels the eager attention pieces run with, so that a new KV length never re-plans.
+
+Why: torch picks an SDPA kernel at every call. With torch 2.11 on the H200 its default order puts
+cuDNN attention first, and cuDNN builds an execution plan for every new shape: about 9 ms of host
+time per call (profiled: ``aten::_cudnn_attention_forward``, 95% of a step's CPU time). An eager
+attention piece sees a new KV length at every decode step, so with torch's defaults every layer of
+every step paid it, and a 16-layer decode step took 36-54 ms, as long as eager. Flash and
+memory-efficient attention launch without planning; math runs anything they cannot.
+
+So by default (``eager_sdpa_backends="auto"``), while a compiled graph runs, cuDNN attention is off
+if one of its eager SDPA calls has a KV length that changes between calls (a symbol in the key's
+length). Where every length is fixed (a static cache attended whole), torch's own choice stands:
+cuDNN plans once per shape. ``"torch"`` leaves torch's choice alone; a list of names (``"flash"``,
+``"efficient"``, ``"math"``, ``"cudnn"``) enables exactly those while the graph runs. The caller's
+settings are restored after each call, and "auto" never turns off the last backend a caller left on.
+Compiled pieces are unaffected: Inductor chose their kernels at compile time, and graphs replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx
+
+from .. import graph_facts as facts
+from ..config import SDPA_BACKENDS as NAMES
+from ..kinds import PieceKind
+from ..op_names import canonical_op_name
+
+_cuda = torch.backends.cuda
+_GET = {"flash": _cuda.flash_sdp_enabled, "efficient": _cuda.mem_efficient_sdp_enabled,
+        "math": _cuda.math_sdp_enabled, "cudnn": _cuda.cudnn_sdp_enabled}
+_SET = {"flash": _cuda.enable_flash_sdp, "efficient": _cuda.enable_mem_efficient_sdp,
+        "math": _cuda.enable_math_sdp, "cudnn": _cuda.enable_cudnn_sdp}
+
+
+class SdpaBackends:
+    """Runs a call with some SDPA backends switched on or off, and the caller's settings after."""
+
+    def __init__(self, enabled: dict[str, bool], reason: str):
+        self.enabled = enabled  # backend name -> on/off while the graph runs
+        self.reason = reason  # why, for the stats and the inspection report
+
+    def call(self, fn: Callable, args: tuple) -> Any:
+        changed = self._apply()
+        try:
+            return fn(*args)
+        finally:
+            for name, value in changed:
+                _SET[name](value)
+
+    def _apply(self) -> list[tuple[str, bool]]:
+        """Switch the flags; returns (name, the caller's value) of each one changed."""
+        changed = []
+        for name, value in self.enabled.items():
+            current = _GET[name]()
+            if current != value:
+                changed.append((name, current))
+                _SET[name](value)
+        if changed and not any(_GET[name]() for name in NAMES):  # "auto" turned off the caller's only one
+            for name, value in changed:
+                _SET[name](value)
+            return []
+        return changed
+
+
+def _eager_sdpa_lengths(split_gm: torch.fx.GraphModule, pieces) -> list[tuple[str, Any]]:
+    """(node name, the key's length) of every SDPA call in the eager pieces."""
+    found = []
+    for spec in pieces:
+        if spec.kind == PieceKind.COMPUTE:
+            continue
+        for node in getattr(split_gm, spec.name).graph.nodes:
+            if node.op == "call_function" and canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
+                key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
+                value = facts.example_value(key) if isinstance(key, torch.fx.Node) else None
+                if isinstance(value, torch.Tensor) and value.dim() >= 2:
+                    found.append((node.name, value.shape[-2]))
+    return found
+
+
+def choose(option: Any, split_gm: torch.fx.GraphModule, pieces) -> SdpaBackends | None:
+    """The backends a compiled graph's calls run with (None: torch's own choice, untouched)."""
+    if option == "torch":
+        return None
+    if option != "auto":
+        return SdpaBackends({name: name in option for name in NAMES}, f"eager_sdpa_backends={list(option)}")
+    varying = [name for name, length in _eager_sdpa_lengths(split_gm, pieces) if isinstance(length, torch.SymInt)]
+    if not varying:
+        return None
+    return SdpaBackends({"cudnn": False}, f"cuDNN attention off: {len(varying)} eager SDPA call(s) see a new KV "
+                                          f"length per call (e.g. {varying[0]}), which cuDNN would re-plan")
