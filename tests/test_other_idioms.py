@@ -1,15 +1,17 @@
 """Decoders in idioms the project did not write its toys in (``toys/idioms.py``), against eager.
 
-:class:`WholeCacheLlama`: caches sized to the batch, ``copy_`` writes, attention over the whole
-batch of the cache, RoPE gathered by a position tensor. Its decode attention is not one the graph
-path recognises yet, so it runs eagerly between the graphs: with the KV length changing every step,
-``eager_sdpa_backends="auto"`` keeps cuDNN attention off there.
+:class:`WholeCacheLlama`: caches sized to the batch, ``copy_`` writes, attention over every row of
+the cache, RoPE gathered by ``arange(t, t + S)``. The decode rewrite takes all three into the graphs
+(``decode/kv_writes.py``, ``graph_attention.py``, ``step_ranges.py``): a decode step is one graph.
+With ``graph_attention=False`` its attention runs eagerly between the graphs, and
+``eager_sdpa_backends="auto"`` keeps cuDNN attention off there (the KV length changes every step).
 """
 
 import copy
 
 import pytest
 import torch
+from torch import nn
 
 from piecewise_backend.kinds import PieceKind
 from toys.idioms import WholeCacheLlama
@@ -21,7 +23,8 @@ CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 
 
 def _decode(model, compiled, batch: int, prompt: int, steps: int, device: str):
-    """Prefill then greedy steps through ``compiled`` and through ``model``'s eager twin."""
+    """Prefill then greedy steps through ``compiled`` and through an eager twin of ``model``; the
+    logits of both, and the twin (whose caches must equal ``model``'s)."""
     reference = copy.deepcopy(model)
     for m in (model, reference):
         m.set_batch(batch)
@@ -33,18 +36,55 @@ def _decode(model, compiled, batch: int, prompt: int, steps: int, device: str):
             pairs.append((compiled(ids, t).clone(), reference(ids, t).clone()))
             t += ids.shape[1]
             ids = pairs[-1][1][:, -1:].argmax(-1)
-    return pairs
+    return pairs, reference
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_whole_cache_llama_matches_eager_with_its_attention_eager(device, emulated_graphs):
+@pytest.mark.parametrize("graph_attention", [True, False])
+def test_whole_cache_llama_matches_eager(device, graph_attention, emulated_graphs):
     torch._dynamo.reset()
     start = last_serial()
     model = init_weights_(WholeCacheLlama(CFG)).to(device).eval()
-    compiled = torch.compile(model, backend="piecewise")
-    for a, e in _decode(model, compiled, batch=3, prompt=5, steps=6, device=device):
+    compiled = torch.compile(model, backend="piecewise", options={"graph_attention": graph_attention})
+    pairs, reference = _decode(model, compiled, batch=3, prompt=5, steps=6, device=device)
+    for a, e in pairs:
         torch.testing.assert_close(a, e, atol=1e-4, rtol=1e-4)
+    for (name, mine), (_, theirs) in zip(model.named_buffers(), reference.named_buffers()):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     graph = busiest_graph(start)
-    assert [p.kind for p in graph.pieces].count(PieceKind.SPLIT) == CFG.layers, graph.stats.summary()
-    assert "cuDNN attention off" in graph.stats.eager_sdpa
-    assert graph.stats.replays > 0, graph.stats.summary()
+    assert graph.stats.replays > 0 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    kinds = [p.kind for p in graph.pieces]
+    if graph_attention:  # writes, attention and positions all in the graph: one piece
+        assert kinds == [PieceKind.COMPUTE], graph.stats.summary()
+    else:
+        assert kinds.count(PieceKind.SPLIT) == CFG.layers and "cuDNN attention off" in graph.stats.eager_sdpa
+
+
+class BroadcastingWrite(nn.Module):
+    """``copy_`` into a view longer than the value broadcasts it: not a write the rewrite knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8, bias=False)
+        self.register_buffer("cache", torch.zeros(2, 1, 16, 8))
+
+    def forward(self, x, t: int):
+        k = self.proj(x).unsqueeze(1)  # [2, 1, 1, 8]
+        self.cache[:, :, t:t + 2].copy_(k)
+        return self.proj(torch.nn.functional.scaled_dot_product_attention(k, self.cache[:, :, :t + 1],
+                                                                           self.cache[:, :, :t + 1]))
+
+
+def test_a_broadcasting_copy_stays_eager_and_matches(emulated_graphs):
+    torch._dynamo.reset()
+    start = last_serial()
+    model = BroadcastingWrite().eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="piecewise")
+    with torch.no_grad():
+        for t in range(5):
+            x = torch.randn(2, 1, 8, generator=torch.Generator().manual_seed(t))
+            torch.testing.assert_close(compiled(x, t), reference(x, t))
+    torch.testing.assert_close(model.cache, reference.cache)
+    graph = busiest_graph(start)
+    assert any("writes graph input" in why for p in graph.pieces for why in p.eager_reasons), graph.stats.summary()

@@ -20,7 +20,8 @@ default was to win at every batch in one interleaved run; it did (code hash ``3c
 gives the eager-attention split back (SDPA's own kernels between the pieces).
 
 Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag, and
-whose keys and values are ``buffer[:B, :, :stop]`` of contiguous parameters/buffers with as many
+whose keys and values are ``buffer[:B, :, :stop]`` (or ``buffer[:, :, :stop]`` of a buffer with exactly
+the query's batch of rows) of contiguous parameters/buffers with as many
 heads as the query and fewer than 2**31 key rows (the kernel's offsets are int32), ``stop`` being a
 per-step int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
 """
@@ -91,7 +92,9 @@ class AttentionSite:
 
 
 def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset):
-    """(buffer, stop, batch) if ``node`` is ``buffer[:batch, :, :stop]`` with a per-step ``stop``."""
+    """(buffer, stop, rows) if ``node`` is ``buffer[:rows, :, :stop]`` with a per-step ``stop``; ``rows``
+    is the buffer's own row count for a view of every row (``buffer[:, :, :stop]``: a cache sized to
+    the batch)."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     buffer, index = node.args
@@ -104,14 +107,15 @@ def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset)
         return None
     if not facts.is_per_step(positions.stop, steps):
         return None
-    return buffer, positions.stop, rows.stop
+    return buffer, positions.stop, rows.stop if rows.stop is not None else facts.example_value(buffer).shape[0]
 
 
 def _same_size(rows, batch) -> bool:
     """Is the views' row prefix (a node, an int or None) the query's batch size?"""
     value = facts.example_value(rows) if isinstance(rows, torch.fx.Node) else rows
-    if isinstance(value, torch.SymInt) and isinstance(batch, torch.SymInt):
-        return _torch_internals.sym_expr(value) == _torch_internals.sym_expr(batch)
+    if isinstance(value, torch.SymInt) or isinstance(batch, torch.SymInt):  # compared as symbols: no guard
+        both = isinstance(value, torch.SymInt) and isinstance(batch, torch.SymInt)
+        return both and _torch_internals.sym_expr(value) == _torch_internals.sym_expr(batch)
     return value == batch
 
 

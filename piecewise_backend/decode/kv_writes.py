@@ -28,9 +28,9 @@ a view of a graph input, which Inductor can only do by copying ``cache[:B]`` out
 masked, it lets full mode pad and capture up front.
 
 Only writes of these exact shapes are rewritten (a parameter/buffer; plain slices, one that starts
-at a per-step Python int and is as long as the value, the others full or prefixes; or
-``index_copy_`` on a full/prefix slice of the buffer); any other write to the same buffer leaves
-all of that buffer's writes as they were.
+at a per-step Python int and is as long as the value, the others full or prefixes, written by
+setitem or by ``copy_`` into that view; or ``index_copy_`` on a full/prefix slice of the buffer);
+any other write to the same buffer leaves all of that buffer's writes as they were.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import torch
 import torch.fx
 
 from .. import graph_facts as facts
+from .._torch_internals import sym_expr
 from .graph_edit import Builder, Dim, Site, indices, slice_dim, slice_dims
 
 
@@ -78,7 +79,26 @@ def _write_dims(node: torch.fx.Node, written: torch.fx.Node, buffer: torch.fx.No
         return slice_dims(facts.example_value(buffer), value_fake, index, steps, placeholders), value
     if node.op == "call_method" and node.target == "index_copy_" and not node.kwargs:
         return _index_copy_dims(written, buffer, node.args, steps, placeholders), node.args[-1]
+    if node.op == "call_method" and node.target == "copy_" and len(node.args) == 2 and not node.kwargs:
+        return _copy_dims(written, buffer, node.args[1], steps, placeholders), node.args[1]
     return None, None
+
+
+def _shape(value: torch.Tensor) -> list:
+    """Sizes as expressions: compared without guarding on the symbols."""
+    return [sym_expr(s) for s in value.shape]
+
+
+def _copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, value, steps: frozenset, placeholders: dict):
+    """The indexed dims of ``buffer[index].copy_(value)`` in our form, or None. ``copy_`` broadcasts,
+    so the view must have exactly the value's shape (a write as long as the value)."""
+    if not (isinstance(value, torch.fx.Node) and view.op == "call_function" and view.target is operator.getitem
+            and view.args[0] is buffer):
+        return None
+    view_value, value_value = facts.example_value(view), facts.example_value(value)
+    if not isinstance(value_value, torch.Tensor) or _shape(view_value) != _shape(value_value):
+        return None
+    return slice_dims(facts.example_value(buffer), value_value, view.args[1], steps, placeholders)
 
 
 def find_kv_writes(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[Site]:

@@ -7,7 +7,8 @@ input, the step scalars (``step_scalars.py``), and rewrites each use to read its
 1. KV-cache writes at ``pos`` become masked ``index_put_`` in the compute pieces (``kv_writes.py``);
 2. decode attention over ``cache[:B, :, :pos + 1]`` becomes the graph-safe ``prefix_attention``
    (``graph_attention.py``);
-3. RoPE-style reads ``cos[pos:pos + S]`` become in-graph gathers (``rope_reads.py``);
+3. RoPE-style reads ``cos[pos:pos + S]`` become in-graph gathers (``rope_reads.py``), and position
+   ranges ``arange(pos, pos + S)`` in-graph ranges (``step_ranges.py``);
 4. the eager attention's remaining cache slices become one ``as_strided`` each (``prefix_views.py``).
 
 It returns a copy of the graph (Dynamo reads its own graph's inputs after the backend returns) and
@@ -31,6 +32,7 @@ from .graph_edit import Builder, Dim, Site
 from .kv_writes import find_kv_writes, rewrite_kv_write
 from .prefix_views import find_prefix_views, rewrite_prefix_view
 from .rope_reads import find_reads, rewrite_read
+from .step_ranges import UNBOUNDED, RangeSite, find_step_ranges, rewrite_step_range
 from .step_scalars import PLACEHOLDER, Slots, StepScalars
 
 
@@ -52,13 +54,15 @@ class _Sites:
     writes: list[Site]
     attention: list[AttentionSite]
     reads: list[Site]
+    ranges: list[RangeSite]
 
     @classmethod
     def find(cls, graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset, writes: bool,
              attention: bool) -> "_Sites":
         return cls(find_kv_writes(graph, static_inputs, steps) if writes else [],
                    find_attention_sites(graph, static_inputs, steps) if attention else [],
-                   find_reads(graph, static_inputs, steps) if writes or attention else [])
+                   find_reads(graph, static_inputs, steps) if writes or attention else [],
+                   find_step_ranges(graph, steps) if writes or attention else [])
 
 
 def _bounds(graph: torch.fx.Graph, sites: _Sites) -> Slots:
@@ -79,6 +83,8 @@ def _bounds(graph: torch.fx.Graph, sites: _Sites) -> Slots:
                 slots.need(dim[1], 0, 0, int(shape[d]), what)
     for site in sites.attention:
         slots.need(*site.length, 1, site.size, f"the attention over {site.buffers[0].name}")
+    for site in sites.ranges:
+        slots.need(site.start, 0, *UNBOUNDED, f"the range from {site.start.name}")
     return slots
 
 
@@ -97,6 +103,8 @@ def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node,
         row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode))
     for site in sites.reads:
         rewrite_read(site, scalars, slot_of, fake_mode)
+    for site in sites.ranges:
+        rewrite_step_range(site, scalars, slot_of, fake_mode)
     for site in sites.attention:
         add = Builder(graph, site.node, fake_mode)
         attention = rewrite_attention(site, add("call_function", operator.getitem, scalars, slot_of[site.length]), add)
