@@ -36,6 +36,7 @@ def _decode(model, compiled, batch: int, prompt: int, steps: int, device: str):
             pairs.append((compiled(ids, t).clone(), reference(ids, t).clone()))
             t += ids.shape[1]
             ids = pairs[-1][1][:, -1:].argmax(-1)
+            torch._dynamo.maybe_mark_dynamic(ids, 0)  # as a server does; the caches pin it to their rows
     return pairs, reference
 
 

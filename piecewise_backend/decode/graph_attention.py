@@ -113,10 +113,9 @@ def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset)
 def _same_size(rows, batch) -> bool:
     """Is the views' row prefix (a node, an int or None) the query's batch size?"""
     value = facts.example_value(rows) if isinstance(rows, torch.fx.Node) else rows
-    if isinstance(value, torch.SymInt) or isinstance(batch, torch.SymInt):  # compared as symbols: no guard
-        both = isinstance(value, torch.SymInt) and isinstance(batch, torch.SymInt)
-        return both and _torch_internals.sym_expr(value) == _torch_internals.sym_expr(batch)
-    return value == batch
+    # as expressions (with the shape env's replacements: a batch Dynamo specialised is its number),
+    # compared structurally: no guard is added
+    return _torch_internals.sym_expr(value) == _torch_internals.sym_expr(batch)
 
 
 def _length(stop: torch.fx.Node, placeholders: dict):
