@@ -111,7 +111,7 @@ def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset)
 
 
 def _same_size(rows, batch) -> bool:
-    """Is the views' row prefix (a node, an int or None) the query's batch size?"""
+    """Is the views' row count (a node, an int or a SymInt) the query's batch size?"""
     value = facts.example_value(rows) if isinstance(rows, torch.fx.Node) else rows
     # as expressions (with the shape env's replacements: a batch Dynamo specialised is its number),
     # compared structurally: no guard is added
