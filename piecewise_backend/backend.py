@@ -27,6 +27,7 @@ from . import graph_facts as facts
 from .compiling import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from .decode import rewrite_decode
+from .decode.graph_attention import mark_attention_paths
 from .kinds import PieceKind
 from .plan import GraphInputs, GraphPlan, graphs_disabled_reason, make_plan
 from .registry import register
@@ -77,8 +78,11 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
+    off = graphs_disabled_reason(config, example_inputs)
+    mark_attention_paths(gm.graph, static_names, facts.step_symbols(gm.graph),
+                         off or (None if config.graph_attention else "graph_attention=False in options"))
     found = None
-    if (config.capture_kv_writes or config.graph_attention) and graphs_disabled_reason(config, example_inputs) is None:
+    if (config.capture_kv_writes or config.graph_attention) and off is None:
         found = rewrite_decode(gm, static_names, config.capture_kv_writes, config.graph_attention)
     if found is None:
         return GraphInputs(gm, fake_mode, tuple(fake_inputs), frozenset(static_names), None)

@@ -98,6 +98,11 @@ class SplitReport:
                  "compiled as": p.compiled_as or "", "captured": ", ".join(map(str, p.captured))}
                 for p in self.pieces]
 
+    @property
+    def attention(self) -> list[dict]:
+        """Each attention call, in order: its node and how it runs (``graph: ...`` or ``eager: why``)."""
+        return [{"node": name, "runs": how} for name, how in self.graph.plan.attention]
+
     def headline(self) -> str:
         s = self.graph.stats
         why = self.graph.graphs_disabled_reason
@@ -109,7 +114,11 @@ class SplitReport:
 
     def __str__(self) -> str:
         short = [{k: (v if len(str(v)) <= 48 else str(v)[:45] + "...") for k, v in r.items()} for r in self.rows()]
-        return self.headline() + "\n" + format_table(short)
+        return "\n".join([self.headline(), format_table(short), *self._attention_lines()])
+
+    def _attention_lines(self) -> list[str]:
+        """One line per way attention runs here, with how many calls run that way."""
+        return [f"attention: {n} × {how}" for how, n in self.graph.stats.attention.items()]
 
     __repr__ = __str__
 
@@ -121,7 +130,8 @@ class SplitReport:
             f"<tr style='background:{colours.get(r['kind'], '#fff')}'>"
             + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
             for r in rows)
-        return (f"<p><b>{html.escape(self.headline())}</b></p>"
+        notes = "".join(f"<br>{html.escape(line)}" for line in self._attention_lines())
+        return (f"<p><b>{html.escape(self.headline())}</b>{notes}</p>"
                 f"<table style='font-size:12px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
     def figure(self, per_row: int = 12):

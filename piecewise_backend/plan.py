@@ -22,7 +22,9 @@ from ._torch_internals import sym_expr
 from .compiling import CompiledPiece
 from .config import PiecewiseConfig
 from .decode import PLACEHOLDER, Rewrite, StepScalars
+from .decode.graph_attention import PATH as ATTENTION_PATH, PREFIX_ATTENTION
 from .kinds import PieceKind
+from .op_names import canonical_op_name
 from .padding import PiecePadding, plan_padding
 from .row_independence import Capacity, evaluate_rows
 from .runtime.distributed import RankAgreement, rank_agreement
@@ -108,6 +110,7 @@ class GraphPlan:
     pieces: Mapping[str, PiecePlan]  # compute pieces, in execution order
     signatures: Mapping[str, tuple]  # piece name -> (described inputs, described output)
     code: Mapping[str, str]  # piece name -> its FX code (for inspection; wrapping hides the submodules)
+    attention: tuple  # (node name, how it runs) per attention call, in order: see ``_attention``
     inputs: GraphInputs
     fake_outputs: Mapping[str, Any]  # every piece's fake output (up-front capture's stand-ins)
     key: ShapeKey
@@ -231,6 +234,24 @@ def _piece_plans(split: SplitGraph, compiled: Mapping, padding: PaddingPlan, sta
     return plans
 
 
+def _attention(split: SplitGraph) -> tuple:
+    """How each attention call runs, read from where the split put it: ``graph`` (the graph-safe decode
+    kernel, or compiled into a compute piece, full mode) or ``eager: <why>`` (why the decode rewrite did
+    not take it, or that it is a splitting op)."""
+    out = []
+    for spec in split.pieces:
+        for node in getattr(split.graph_module, spec.name).graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is PREFIX_ATTENTION:
+                out.append((node.name, "graph: the graph-safe decode kernel"))
+            elif canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
+                how = "graph: compiled with its piece" if spec.kind == PieceKind.COMPUTE else \
+                    node.meta.get(ATTENTION_PATH, "eager: a splitting op")
+                out.append((node.name, how))
+    return tuple(out)
+
+
 def _piece_code(split: SplitGraph) -> dict[str, str]:
     return {spec.name: getattr(split.graph_module, spec.name).code.strip() for spec in split.pieces}
 
@@ -251,7 +272,8 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     return GraphPlan(
         split=split, compiled=dict(compiled),
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names, unmasked),
-        signatures=dict(signatures), code=_piece_code(split), inputs=inputs, fake_outputs=dict(fake_outputs),
+        signatures=dict(signatures), code=_piece_code(split), attention=_attention(split),
+        inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),

@@ -56,6 +56,7 @@ class GraphStats:
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
     eager_sdpa: str = ""  # which SDPA kernels eager attention may use, and why (empty: torch's choice)
+    attention: dict = dataclasses.field(default_factory=dict)  # how attention runs -> how many calls
     weight_sets: int = 0  # sets of parameter addresses seen with graphs (more than 1: weights moved)
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
@@ -116,6 +117,8 @@ class GraphStats:
             lines.append(f"padding: {self.padding}")
         if self.weight_sets > 1:
             lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses")
+        if self.attention:
+            lines.append("attention: " + "; ".join(f"{n} × {how}" for how, n in self.attention.items()))
         if self.eager_sdpa:
             lines.append(f"eager attention: {self.eager_sdpa}")
         for reason, count in self.misses.items():

@@ -108,3 +108,24 @@ def test_depyf_dump_after_inspect_split_says_it_wrote_nothing(tmp_path):
         with piecewise_backend.debug_dump(str(tmp_path)), torch.no_grad():
             torch.compile(model, backend="piecewise")(ids, 0)
     assert not any("piecewise_split_graph" in f for f in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("options,emulate,expected", [
+    ({}, True, {"graph: the graph-safe decode kernel"}),
+    ({"graph_attention": False}, True, {"eager: graph_attention=False in options"}),
+    ({}, False, {"eager: graphs need CUDA tensors; inputs are on cpu"}),
+])
+def test_report_says_how_each_attention_runs_and_why_not_in_the_graph(options, emulate, expected):
+    from .helpers import busiest_graph, compile_with_reference, decode_at_sizes, graphs_since
+
+    with piecewise_backend.emulated_graphs(emulate):
+        compiled, reference, start = compile_with_reference(ToyLlama, CFG, options)
+        with torch.no_grad():
+            compiled(torch.randint(0, CFG.vocab, (2, 5)), 0)  # a prefill: its attention has 5 query positions
+            decode_at_sizes(compiled, reference, (2, 3), start_pos=5)
+    report = piecewise_backend.report(busiest_graph(start))
+    assert {row["runs"] for row in report.attention} == expected and len(report.attention) == CFG.layers
+    assert f"attention: {CFG.layers} × {expected.pop()}" in str(report)
+    prefill = piecewise_backend.report(graphs_since(start)[0])  # the first graph compiled
+    if emulate and not options:
+        assert {r["runs"] for r in prefill.attention} == {"eager: its query has 5 positions, not one (a prefill)"}

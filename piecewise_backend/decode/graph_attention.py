@@ -56,6 +56,9 @@ def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).contiguous()
 
 
+PREFIX_ATTENTION = torch.ops.piecewise.prefix_attention.default  # what the rewritten graphs call
+
+
 def _efficient_prefix_attention(q, keys, values, length):
     """The memory-efficient kernel in its variable-length form, one "sequence" per (row, head).
 
@@ -131,40 +134,66 @@ def _length(stop: torch.fx.Node, placeholders: dict):
     return None
 
 
-def find_attention_sites(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> list[AttentionSite]:
-    if not steps:
-        return []
+def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozenset) -> AttentionSite | str:
+    """The site to rewrite, or why this SDPA call stays eager (for people: the inspection report)."""
+    query = node.args[0]
+    q = facts.example_value(query)
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        return "its query is not [batch, heads, positions, head_dim]"
+    if _torch_internals.sym_expr(q.shape[2]) != 1:
+        return f"its query has {q.shape[2]} positions, not one (a prefill)"
+    if len(node.args) != 3 or any(k not in ("is_causal",) for k in node.kwargs) or node.kwargs.get("is_causal"):
+        return "it has a mask, dropout, scale or causal flag"
+    views = [_prefix_view(a, static_inputs, placeholders, steps) for a in node.args[1:]]
+    if None in views or views[0][1] is not views[1][1]:
+        return "its keys/values are not cache[:B, :, :t + c] of a parameter/buffer at a per-step t"
+    if not all(_same_size(v[2], q.shape[0]) for v in views):
+        return "the caches' rows it reads are not the query's batch"
+    length = _length(views[0][1], placeholders)
+    buffers = (views[0][0], views[1][0])
+    values = [facts.example_value(b) for b in buffers]
+    shapes = [v.shape for v in values]
+    if length is None:
+        return "its KV length is not a per-step int plus a constant"
+    if shapes[0] != shapes[1] or shapes[0][1] != q.shape[1]:
+        return "keys and values have other head counts than the query (GQA)"
+    if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
+        return "a cache is not contiguous"
+    if shapes[0][0] * shapes[0][1] * shapes[0][2] >= 2**31:  # key offsets are int32 in the kernel
+        return "a cache has 2**31 key rows or more"
+    return AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2]))
+
+
+def classify_attention(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> dict:
+    """Every SDPA call of ``graph`` by node name: its :class:`AttentionSite`, or why it stays eager."""
     placeholders = {n: i for i, n in enumerate(facts.placeholders(graph))}
-    sites = []
+    out = {}
     for node in graph.nodes:
-        if node.op != "call_function" or canonical_op_name(node.target) != "aten::scaled_dot_product_attention":
-            continue
-        if len(node.args) != 3 or any(k not in ("is_causal",) for k in node.kwargs) or node.kwargs.get("is_causal"):
-            continue
-        query = node.args[0]
-        q = facts.example_value(query)
-        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[2] != 1:
-            continue
-        views = [_prefix_view(a, static_inputs, placeholders, steps) for a in node.args[1:]]
-        if None in views or views[0][1] is not views[1][1] or not all(_same_size(v[2], q.shape[0]) for v in views):
-            continue
-        length = _length(views[0][1], placeholders)
-        buffers = (views[0][0], views[1][0])
-        values = [facts.example_value(b) for b in buffers]
-        shapes = [v.shape for v in values]
-        if length is None or shapes[0] != shapes[1] or shapes[0][1] != q.shape[1]:  # no GQA broadcast
-            continue
-        if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
-            continue
-        if shapes[0][0] * shapes[0][1] * shapes[0][2] >= 2**31:  # key offsets are int32 in the kernel
-            continue
-        sites.append(AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2])))
-    return sites
+        if node.op == "call_function" and canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
+            out[node.name] = _site_or_reason(node, static_inputs, placeholders, steps)
+    return out
+
+
+def find_attention_sites(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> list[AttentionSite]:
+    return [s for s in classify_attention(graph, static_inputs, steps).values() if isinstance(s, AttentionSite)]
+
+
+PATH = "piecewise_attention_path"  # node meta: why an SDPA call is not rewritten (the split copies meta)
+
+
+def mark_attention_paths(graph: torch.fx.Graph, static_inputs: set, steps: frozenset, off: str | None) -> None:
+    """Note on each SDPA call that the rewrite will not take why it stays eager (``node.meta[PATH]``),
+    for the inspection report. ``off``: why the rewrite does not run at all, if it does not."""
+    sites = classify_attention(graph, static_inputs, steps)
+    for node in graph.nodes:
+        site = sites.get(node.name)
+        if site is not None and (off or not isinstance(site, AttentionSite)):
+            node.meta[PATH] = f"eager: {off or site}"
 
 
 def rewrite_attention(site: AttentionSite, length_value: torch.fx.Node, add) -> torch.fx.Node:
     """Replace the SDPA call with ``prefix_attention`` reading ``length_value``; ``add`` builds nodes."""
-    node = add("call_function", torch.ops.piecewise.prefix_attention.default, site.query, *site.buffers,
+    node = add("call_function", PREFIX_ATTENTION, site.query, *site.buffers,
                length_value)
     site.node.replace_all_uses_with(node)
     graph = site.node.graph

@@ -15,6 +15,7 @@ between the replays. Per call, in order:
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 import warnings
@@ -259,4 +260,5 @@ def _new_stats(plan: GraphPlan) -> GraphStats:
                       num_split_pieces=len(plan.split.pieces) - compute, inductor_compiles=plan.inductor_compiles,
                       inductor_seconds=plan.inductor_seconds, graphs_disabled_reason=plan.graphs_disabled_reason,
                       padding=plan.padding.note,
-                      eager_sdpa=plan.sdpa_backends.reason if plan.sdpa_backends is not None else "")
+                      eager_sdpa=plan.sdpa_backends.reason if plan.sdpa_backends is not None else "",
+                      attention=dict(collections.Counter(how for _, how in plan.attention)))
