@@ -129,3 +129,33 @@ def test_report_says_how_each_attention_runs_and_why_not_in_the_graph(options, e
     prefill = piecewise_backend.report(graphs_since(start)[0])  # the first graph compiled
     if emulate and not options:
         assert {r["runs"] for r in prefill.attention} == {"eager: its query has 5 positions, not one (a prefill)"}
+
+
+class _ScaledDecode(torch.nn.Module):
+    """Decode attention over a cache prefix, passing ``scale``: not what the graph-safe kernel takes."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8, bias=False)
+        self.register_buffer("k_cache", torch.zeros(4, 2, 16, 4))
+
+    def forward(self, x, t: int):
+        B = x.shape[0]
+        q = self.proj(x).view(B, 1, 2, 4).transpose(1, 2)
+        self.k_cache[:B, :, t:t + 1] = q
+        keys = self.k_cache[:B, :, :t + 1]
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, scale=0.5).sum(1)
+
+
+def test_report_names_the_arguments_that_keep_attention_eager():
+    from .helpers import busiest_graph, last_serial
+
+    torch._dynamo.reset()
+    start = last_serial()
+    with piecewise_backend.emulated_graphs():
+        compiled = torch.compile(_ScaledDecode().eval(), backend="piecewise")
+        with torch.no_grad():
+            for t in range(3):
+                compiled(torch.randn(2, 1, 8), t)
+    (row,) = piecewise_backend.report(busiest_graph(start)).attention
+    assert row["runs"] == "eager: it passes scale (the graph-safe kernel takes q, k, v alone)", row

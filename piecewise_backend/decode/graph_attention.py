@@ -142,8 +142,9 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
         return "its query is not [batch, heads, positions, head_dim]"
     if _torch_internals.sym_expr(q.shape[2]) != 1:
         return f"its query has {q.shape[2]} positions, not one (a prefill)"
-    if len(node.args) != 3 or any(k not in ("is_causal",) for k in node.kwargs) or node.kwargs.get("is_causal"):
-        return "it has a mask, dropout, scale or causal flag"
+    extra = [k for k, v in node.kwargs.items() if not (k == "is_causal" and v is False)]
+    if len(node.args) != 3 or extra:  # the kernel takes q, k, v alone (no mask, dropout, scale, GQA, causal)
+        return f"it passes {', '.join(extra) or 'more than q, k, v'} (the graph-safe kernel takes q, k, v alone)"
     views = [_prefix_view(a, static_inputs, placeholders, steps) for a in node.args[1:]]
     if None in views or views[0][1] is not views[1][1]:
         return "its keys/values are not cache[:B, :, :t + c] of a parameter/buffer at a per-step t"
