@@ -234,22 +234,21 @@ def _piece_plans(split: SplitGraph, compiled: Mapping, padding: PaddingPlan, sta
     return plans
 
 
-def _attention(split: SplitGraph) -> tuple:
+def _attention_calls(split: SplitGraph) -> list[tuple]:
+    """(piece, node) of every attention call in the split graph, in order: SDPA, and the graph-safe
+    decode kernel the rewrite put in its place. One walk serves the report and the SDPA kernel choice."""
+    return [(spec, node) for spec in split.pieces for node in getattr(split.graph_module, spec.name).graph.nodes
+            if node.op == "call_function" and (node.target is PREFIX_ATTENTION or
+                                               canonical_op_name(node.target) == "aten::scaled_dot_product_attention")]
+
+
+def _attention(calls: list[tuple]) -> tuple:
     """How each attention call runs, read from where the split put it: ``graph`` (the graph-safe decode
     kernel, or compiled into a compute piece, full mode) or ``eager: <why>`` (why the decode rewrite did
     not take it, or that it is a splitting op)."""
-    out = []
-    for spec in split.pieces:
-        for node in getattr(split.graph_module, spec.name).graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target is PREFIX_ATTENTION:
-                out.append((node.name, "graph: the graph-safe decode kernel"))
-            elif canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
-                how = "graph: compiled with its piece" if spec.kind == PieceKind.COMPUTE else \
-                    node.meta.get(ATTENTION_PATH, "eager: a splitting op")
-                out.append((node.name, how))
-    return tuple(out)
+    return tuple((node.name, "graph: the graph-safe decode kernel" if node.target is PREFIX_ATTENTION else
+                  "graph: compiled with its piece" if spec.kind == PieceKind.COMPUTE else
+                  node.meta.get(ATTENTION_PATH, "eager: a splitting op")) for spec, node in calls)
 
 
 def _piece_code(split: SplitGraph) -> dict[str, str]:
@@ -269,14 +268,17 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
     row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
     padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access)
+    calls = _attention_calls(split)
     return GraphPlan(
         split=split, compiled=dict(compiled),
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names, unmasked),
-        signatures=dict(signatures), code=_piece_code(split), attention=_attention(split),
+        signatures=dict(signatures), code=_piece_code(split), attention=_attention(calls),
         inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         agreement=rank_agreement(inputs.graph_module.graph),
-        sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends, split.graph_module, split.pieces),
+        sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends,
+                                           [node for spec, node in calls if spec.kind != PieceKind.COMPUTE
+                                            and node.target is not PREFIX_ATTENTION]),
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds)

@@ -25,8 +25,6 @@ import torch.fx
 
 from .. import graph_facts as facts
 from ..config import SDPA_BACKENDS as NAMES
-from ..kinds import PieceKind
-from ..op_names import canonical_op_name
 
 _cuda = torch.backends.cuda
 _GET = {"flash": _cuda.flash_sdp_enabled, "efficient": _cuda.mem_efficient_sdp_enabled,
@@ -65,28 +63,21 @@ class SdpaBackends:
         return changed
 
 
-def _eager_sdpa_lengths(split_gm: torch.fx.GraphModule, pieces) -> list[tuple[str, Any]]:
-    """(node name, the key's length) of every SDPA call in the eager pieces."""
-    found = []
-    for spec in pieces:
-        if spec.kind == PieceKind.COMPUTE:
-            continue
-        for node in getattr(split_gm, spec.name).graph.nodes:
-            if node.op == "call_function" and canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
-                key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
-                value = facts.example_value(key) if isinstance(key, torch.fx.Node) else None
-                if isinstance(value, torch.Tensor) and value.dim() >= 2:
-                    found.append((node.name, value.shape[-2]))
-    return found
+def _kv_length(node: torch.fx.Node):
+    """The KV length (the key's dim -2) an SDPA call sees, or None when its key is not a tensor."""
+    key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
+    value = facts.example_value(key) if isinstance(key, torch.fx.Node) else None
+    return value.shape[-2] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
 
 
-def choose(option: Any, split_gm: torch.fx.GraphModule, pieces) -> SdpaBackends | None:
-    """The backends a compiled graph's calls run with (None: torch's own choice, untouched)."""
+def choose(option: Any, eager_sdpa: list[torch.fx.Node]) -> SdpaBackends | None:
+    """The backends a compiled graph's calls run with (None: torch's own choice, untouched), given the
+    SDPA calls of its eager pieces."""
     if option == "torch":
         return None
     if option != "auto":
         return SdpaBackends({name: name in option for name in NAMES}, f"eager_sdpa_backends={list(option)}")
-    varying = [name for name, length in _eager_sdpa_lengths(split_gm, pieces) if isinstance(length, torch.SymInt)]
+    varying = [node.name for node in eager_sdpa if isinstance(_kv_length(node), torch.SymInt)]
     if not varying:
         return None
     return SdpaBackends({"cudnn": False}, f"cuDNN attention off: {len(varying)} eager SDPA call(s) see a new KV "
