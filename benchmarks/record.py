@@ -2,7 +2,7 @@
 
     python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
                                 [--host host.json] [--ab ab.json] [--fuzz fuzz.json]
-                                [--moved-weights moved_weights.json] --out h200.json
+                                [--moved-weights moved_weights.json] [--hf hf.json] --out h200.json
 
 Each part replaces only the keys it produces, so a run split over several device calls accumulates
 in one file.
@@ -87,6 +87,7 @@ def main() -> None:
     parser.add_argument("--ab", help="ab_kv_writes.py's JSON")
     parser.add_argument("--fuzz", help="the GPU fuzz run's JSON (python -m tests.fuzz)")
     parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
+    parser.add_argument("--hf", help="hf_generate.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -119,6 +120,10 @@ def main() -> None:
         result["fuzz"] = {**json.loads(pathlib.Path(args.fuzz).read_text()), "code_hash": digest}
     if args.moved_weights:
         result["moved_weights"] = {**json.loads(pathlib.Path(args.moved_weights).read_text()), "code_hash": digest}
+    if args.hf:
+        hf = json.loads(pathlib.Path(args.hf).read_text())
+        result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "cache", "batch", "variant"), digest)
+        result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())
         for key in ("capture", "memory"):

@@ -8,6 +8,7 @@
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
 #   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
+#   bash benchmarks/run_device.sh hf [ARGS...]      # hf_generate.py ARGS: transformers generate() ms/token
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
 #                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
@@ -57,7 +58,11 @@ case "$part" in
   weights)
     python benchmarks/moved_weights.py --out "$OUT/moved_weights.json" "$@" 2>&1 | tail -3
     record --moved-weights "$OUT/moved_weights.json" ;;
+  hf)
+    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/hf_generate.py --out "$OUT/hf.json" "$@" 2>&1 \
+      | tee "$OUT/hf.log" | grep '^{'
+    record --hf "$OUT/hf.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights, hf or ab" >&2; exit 2 ;;
 esac

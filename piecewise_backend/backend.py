@@ -28,6 +28,7 @@ from .compiling import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from .decode import rewrite_decode
 from .decode.graph_attention import mark_attention_paths
+from .in_place_writes import written_in_place
 from .kinds import PieceKind
 from .plan import GraphInputs, GraphPlan, graphs_disabled_reason, make_plan
 from .registry import register
@@ -39,12 +40,24 @@ from .staging import stage_keys
 log = logging.getLogger("piecewise_backend")
 
 
+_MODES = (None, "default", "reduce-overhead")  # what this backend does anyway: CUDA graphs per shape
+
+
 def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
-              **kwargs) -> CompiledGraph:
-    """The backend Dynamo calls: ``torch.compile(model, backend="piecewise", options={...})``."""
+              mode: str | None = None, **kwargs) -> CompiledGraph:
+    """The backend Dynamo calls: ``torch.compile(model, backend="piecewise", options={...})``.
+
+    ``mode``: torch.compile hands a custom backend its ``mode`` when it is not "default".
+    "reduce-overhead" (transformers' ``CompileConfig`` default) is what this backend does anyway;
+    Inductor's other modes are refused by name rather than ignored.
+    """
     if kwargs:
         raise TypeError(f"piecewise backend: unexpected arguments {sorted(kwargs)}; pass settings as "
                         f"torch.compile(..., options={{...}}).")
+    if mode not in _MODES:
+        raise ValueError(f"piecewise backend: mode={mode!r} is not supported: this backend always captures CUDA "
+                         f"graphs per shape (what 'reduce-overhead' asks for) and compiles its pieces with "
+                         f"Inductor's defaults. Leave mode out, or pass 'default' or 'reduce-overhead'.")
     return build(gm, example_inputs, PiecewiseConfig.from_options(options))
 
 
@@ -76,6 +89,8 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     if any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
         _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
+    if config.capture_kv_writes:  # inputs the graph may write itself are used in place (in_place_writes.py)
+        static_names |= written_in_place(gm.graph, facts.step_symbols(gm.graph))
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
     off = graphs_disabled_reason(config, example_inputs)
@@ -92,9 +107,12 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
 
 def _split(inputs: GraphInputs, config: PiecewiseConfig) -> SplitGraph:
     """Stage 2: compute pieces (graphed) between the eager ones. Full mode lets compute pieces write
-    the graph's parameters/buffers; the decode rewrite's masked writes may be captured in any mode."""
+    the graph's parameters/buffers; the decode rewrite's masked writes may be captured in any mode,
+    and so may index writes and fixed-size updates of inputs used in place (``in_place_writes.py``)."""
     writable = (inputs.static_names if config.mode == "full" else frozenset()) | inputs.masked_buffers
-    result = split_graph(inputs.graph_module, config.all_splitting_ops, writable)
+    result = split_graph(inputs.graph_module, config.all_splitting_ops, writable,
+                         fixed_attention=config.graph_attention,
+                         in_place=inputs.static_names if config.capture_kv_writes else frozenset())
     _log_graph("piecewise split graph", result.graph_module)
     for spec in result.pieces:
         _log_graph(f"piecewise {spec.name} {spec.kind}", getattr(result.graph_module, spec.name))

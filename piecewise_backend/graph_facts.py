@@ -184,6 +184,12 @@ def alias_roots(graph: torch.fx.Graph) -> dict[torch.fx.Node, torch.fx.Node]:
     return roots
 
 
+def written_inputs(graph: torch.fx.Graph) -> frozenset:
+    """Names of the graph inputs some node writes in place (through any view of them)."""
+    roots = alias_roots(graph)
+    return frozenset(roots[m].name for n in graph.nodes for m in mutated_inputs(n) if roots[m].op == "placeholder")
+
+
 def is_sym_node(node: torch.fx.Node) -> bool:
     return isinstance(example_value(node), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 

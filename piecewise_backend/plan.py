@@ -177,7 +177,7 @@ def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
 
 
 def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake_outputs: Mapping, key: ShapeKey,
-             unmasked: Mapping, row_access: Mapping) -> PaddingPlan:
+             unmasked: Mapping, row_access: Mapping, batch_sized: Mapping) -> PaddingPlan:
     """The KV writes moved into compute pieces are masked to the caller's rows, so they neither
     forbid padding nor count as mixing rows (``row_access`` names them): only each piece's
     ``unmasked`` writes do. They do read and write their caches by batch row, so a padded batch may
@@ -185,6 +185,9 @@ def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake
     if key.pad_position is None:
         return PaddingPlan({}, None, (), "no dynamic batch size: one shape, captured as is")
     sym = key.symbols[key.pad_position]
+    # a whole-tensor write of a tensor without batch rows (a step counter) leaves padded rows nothing to write
+    unmasked = {piece: tuple(w for w in written if w not in split.whole_writes or sym in batch_sized[w])
+                for piece, written in unmasked.items()}
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
     per_piece, refusal, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked, row_access)
     if not config.padding:
@@ -267,7 +270,9 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
     row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
-    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access)
+    symbols = {n.name: facts.value_symbols(v, with_offset=False)
+               for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)}
+    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access, symbols)
     calls = _attention_calls(split)
     return GraphPlan(
         split=split, compiled=dict(compiled),

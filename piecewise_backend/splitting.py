@@ -30,6 +30,8 @@ import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from . import graph_facts as facts
+from .attention_placement import beside_attention, is_fixed_shape_attention
+from .in_place_writes import graph_safe_writes, only_whole_writes
 from .kinds import PieceKind
 from .op_names import canonical_op_name, display_name
 
@@ -56,14 +58,16 @@ class SplitGraph:
     step_symbols: frozenset
     compute_nodes: tuple = ()  # nodes of the original graph that run in compute pieces
     written_inputs: frozenset = frozenset()  # names of graph inputs some node writes in place
+    whole_writes: frozenset = frozenset()  # inputs written only whole, by captured writes (in_place_writes.py)
 
     def piece(self, name: str) -> PieceSpec:
         return next(p for p in self.pieces if p.name == name)
 
 
 def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
-              forced_eager: dict, writable: frozenset) -> tuple[dict, dict]:
-    """Kind of every op node, and a reason string for each eager one."""
+              forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict) -> tuple[dict, dict]:
+    """Kind of every op node, and a reason string for each eager one (``attention_placement.py`` says
+    which attention stays in a graph, ``fixed_attention``, and which cache growth joins attention)."""
     roots = facts.alias_roots(graph)
     input_roots = {n for n in graph.nodes if n.op == "placeholder" and n.name not in writable}
     kinds: dict = {}
@@ -71,16 +75,20 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops:
+        if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops and \
+                not (fixed_attention and is_fixed_shape_attention(node)):
             kinds[node] = SPLIT
             continue
         written = [roots[m] for m in facts.mutated_inputs(node)]
-        if any(r in input_roots for r in written):
+        if node not in safe_writes and any(r in input_roots for r in written):
             reasons[node] = f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
         elif facts.uses_step_symbols(node, steps):
             syms = ", ".join(sorted(map(str, steps)))
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
         kinds[node] = EAGER if node in reasons else COMPUTE
+    growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE, lambda n: kinds.get(n) == SPLIT)
+    kinds.update(dict.fromkeys(growth, EAGER))
+    reasons.update(growth)
     # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
     # view of an input would alias the runner's copy of it, not the caller's tensor. So do views of
     # graph inputs the graph returns: eager (and Inductor) hand back a view of the caller's tensor,
@@ -193,7 +201,8 @@ def _partition(graph: torch.fx.Graph, kinds: dict) -> dict:
     return part
 
 
-def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writable: frozenset) -> dict:
+def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writable: frozenset,
+                            safe_writes: dict) -> dict:
     """Compute nodes that write memory owned by another partition: they must run eagerly."""
     roots = facts.alias_roots(graph)
     bad = {}
@@ -202,8 +211,9 @@ def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writ
             continue
         for m in facts.mutated_inputs(node):
             owner = roots[m]
-            if owner.op == "placeholder" and owner.name in writable:
-                continue  # a fixed-address buffer: the captured graph writes the caller's tensor
+            if owner.op == "placeholder" and (owner.name in writable or node in safe_writes) and \
+                    (m is owner or part.get(m) == part[node]):
+                continue  # a fixed-address buffer, passed in place: the captured graph writes the caller's tensor
             if part.get(owner) != part[node]:
                 bad[node] = f"{display_name(node)}: writes {owner.name}, which another piece owns"
     return bad
@@ -236,25 +246,38 @@ def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], 
     split_gm.recompile()  # no dead-code elimination: eager pieces may exist only for their writes
 
 
+def _drop_unused_scalars(graph: torch.fx.Graph) -> None:
+    """Scalars nothing reads (Hugging Face's ``cache.keys.numel()`` checks leave some): each would
+    hand its tensor, and that tensor's sizes, to a compute piece for nothing."""
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("call_function", "call_method") and not node.users and facts.is_sym_node(node):
+            graph.erase_node(node)
+
+
 def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
-                writable_inputs: frozenset = frozenset()) -> SplitGraph:
+                writable_inputs: frozenset = frozenset(), fixed_attention: bool = False,
+                in_place: frozenset = frozenset()) -> SplitGraph:
     """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces.
 
     ``writable_inputs``: names of graph inputs that compute pieces may write in place (full mode
     passes the parameters/buffers: their addresses are fixed, so a captured write lands in the
-    caller's tensor). Writes to any other input run eagerly.
+    caller's tensor). Writes to any other input run eagerly. ``fixed_attention``: attention whose
+    shapes are fixed but for the batch stays in its compute piece. ``in_place``: names of inputs used
+    at their own address, which compute pieces may write where ``in_place_writes.py`` says it is safe.
     """
     graph = gm.graph
+    _drop_unused_scalars(graph)
     steps = facts.step_symbols(graph)
     forced: dict = {}
+    safe_writes = graph_safe_writes(graph, in_place, steps)
     for _ in range(8):  # cross-piece writes force nodes eager; a few rounds reach a fixed point
-        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs)
+        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs, fixed_attention, safe_writes)
         for n in forced:
             kinds[n] = EAGER
         _hoist(graph, kinds)
         _sink(graph, kinds)
         part = _partition(graph, kinds)
-        bad = _cross_partition_writes(graph, kinds, part, writable_inputs)
+        bad = _cross_partition_writes(graph, kinds, part, writable_inputs, safe_writes)
         if not bad:
             break
         forced.update(bad)
@@ -280,6 +303,5 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
             eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group),
             writes_inputs=written))
     compute_nodes = tuple(n for n, k in kinds.items() if k == COMPUTE)
-    written_inputs = frozenset(roots[m].name for n in graph.nodes for m in facts.mutated_inputs(n)
-                               if roots[m].op == "placeholder")
-    return SplitGraph(split_gm, pieces, steps, compute_nodes, written_inputs)
+    return SplitGraph(split_gm, pieces, steps, compute_nodes, facts.written_inputs(graph),
+                      only_whole_writes(graph, safe_writes))

@@ -68,8 +68,9 @@ def test_auto_turns_cudnn_off_while_kv_lengths_change_and_restores_it(torch_defa
 
 
 def test_auto_leaves_torch_to_choose_where_kv_lengths_are_fixed(torch_defaults):
-    """The static cache is attended whole: one shape per batch size, which cuDNN plans once."""
-    graph, seen = _decode_and_probe(ToyStaticCacheLlama, {}, static_cache=True)
+    """The static cache is attended whole: one shape per batch size, which cuDNN plans once (kept eager
+    here: by default such attention is compiled with its piece)."""
+    graph, seen = _decode_and_probe(ToyStaticCacheLlama, SPLIT_ATTENTION, static_cache=True)
     assert graph.plan.sdpa_backends is None and graph.stats.eager_sdpa == ""
     assert seen and all(s["cudnn"] for s in seen), seen
 

@@ -1,47 +1,73 @@
-"""Hugging Face ``generate()`` through the backend, with its default dynamic cache, batch sizes
-changing in one process: the same greedy tokens as eager.
+"""Hugging Face ``generate()`` through the backend: the same greedy tokens as eager (fp32), with the
+decode step in as few graphs as its cache allows, batch sizes changing in one process.
 
-On the H200 this crashed with a device-side assert before the padding rules were proven (a batch
-of 3 padded to 4 over a 3-row tensor). Skipped where transformers is not installed.
+* ``DynamicCache`` (grown by ``torch.cat``): the cat, the window crop and the mask run beside the
+  eager attention, so the compute pieces are captured once per batch size and replay at every KV
+  length (before, every KV length was a new capture and nothing replayed).
+* ``StaticCache`` (``index_copy_`` at ``cache_position``, attention over the whole cache with a
+  mask): the decode step is one graph: the writes and the fixed-shape attention are captured.
+* transformers' own ``compile_config`` route (``CompileConfig(backend="piecewise")``).
+
+Tiny configurations on CPU (graphs emulated); the issue's 8-layer configuration on CUDA. Skipped
+where transformers is not installed.
 """
 
+import logging
 import warnings
 
 import pytest
 import torch
 
-from .helpers import graphs_since, last_serial
+from .helpers import busiest_graph, graphs_since, last_serial
 
 transformers = pytest.importorskip("transformers")
 
+PROMPT = 7
 
-def _generate_both(model, batches, new_tokens, device, options=None):
+
+def _config(arch: str, layers: int, hidden: int):
+    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common), transformers.Qwen2ForCausalLM
+    if arch == "mistral":  # a window shorter than prompt + new tokens: the window's crop and mask are exercised
+        return transformers.MistralConfig(sliding_window=5, **common), transformers.MistralForCausalLM
+    if arch == "gemma":
+        return transformers.GemmaConfig(head_dim=hidden // 8, **common), transformers.GemmaForCausalLM
+    if arch == "gpt2":
+        return (transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
+                transformers.GPT2LMHeadModel)
+    raise ValueError(arch)
+
+
+def _model(arch: str, device: str, layers: int = 2, hidden: int = 64):
+    config, cls = _config(arch, layers, hidden)
+    torch.manual_seed(0)
+    return cls(config).to(device).eval()
+
+
+def _generate(model, ids, new_tokens: int, **kwargs):
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+                              pad_token_id=0, **kwargs)
+
+
+def _generate_both(model, batches, new_tokens, device, options=None, **kwargs):
     """Greedy tokens of eager and of ``model.forward`` compiled with the backend, per batch size."""
     eager_forward = model.forward
     compiled_forward = torch.compile(eager_forward, backend="piecewise", options=options or {})
     g = torch.Generator().manual_seed(0)
     out = []
     for batch in batches:
-        ids = torch.randint(0, model.config.vocab_size, (batch, 7), generator=g).to(device)
-        mask = torch.ones_like(ids)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            model.forward = compiled_forward
-            mine = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                  pad_token_id=0)
-            model.forward = eager_forward
-            theirs = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
-                                    pad_token_id=0)
-        out.append((batch, mine, theirs))
+        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g).to(device)
+        model.forward = compiled_forward
+        mine = _generate(model, ids, new_tokens, **kwargs)
+        model.forward = eager_forward
+        out.append((batch, mine, _generate(model, ids, new_tokens, **kwargs)))
     return out
-
-
-def _llama(layers, hidden, device):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
-                                   num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                                   max_position_embeddings=256)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
 
 def _assert_same_tokens(results):
@@ -49,19 +75,99 @@ def _assert_same_tokens(results):
         assert torch.equal(mine, theirs), f"batch {batch}: {mine} vs {theirs}"
 
 
+def _assert_dynamic_cache_replays(start):
+    """The decode graph's shape keys are batch sizes only: compute pieces replay across KV lengths."""
+    decode = busiest_graph(start)
+    assert decode.stats.replays > 0
+    assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
+    assert any("grow by torch.cat" in how for _, how in decode.plan.attention), decode.plan.attention
+
+
+def _assert_static_decode_is_one_graph(start):
+    decode = busiest_graph(start)
+    assert decode.stats.num_pieces == 1, decode.stats.summary()
+    assert decode.stats.replays > 0
+    assert all(how == "graph: compiled with its piece" for _, how in decode.plan.attention)
+
+
 @pytest.mark.usefixtures("emulated_graphs")
-def test_llama_generate_with_changing_batch_sizes_gives_eager_tokens():
+def test_llama_dynamic_cache_replays_across_kv_lengths_with_changing_batch_sizes():
     torch._dynamo.reset()
     start = last_serial()
-    results = _generate_both(_llama(2, 64, "cpu"), (1, 4, 3), 6, "cpu", {"capture_sizes": [1, 2, 4, 8]})
-    _assert_same_tokens(results)
+    _assert_same_tokens(_generate_both(_model("llama", "cpu"), (1, 4, 3), 8, "cpu", {"capture_sizes": [1, 2, 4, 8]}))
+    _assert_dynamic_cache_replays(start)
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+def test_llama_static_cache_decode_step_is_one_graph():
+    torch._dynamo.reset()
+    start = last_serial()
+    _assert_same_tokens(_generate_both(_model("llama", "cpu"), (1, 3), 8, "cpu", cache_implementation="static"))
+    _assert_static_decode_is_one_graph(start)
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "mistral", "gemma"])
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_other_architectures_give_eager_tokens(arch, cache):
+    torch._dynamo.reset()
+    start = last_serial()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    _assert_same_tokens(_generate_both(_model(arch, "cpu"), (1, 3), 8, "cpu", **kwargs))
     assert sum(g.stats.replays for g in graphs_since(start)) > 0
+    if arch == "mistral":  # the sliding window's caches keep their length as a Python int: partly eager
+        return
+    if cache == "static":
+        _assert_static_decode_is_one_graph(start)
+    else:
+        decode = busiest_graph(start)
+        assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_256_new_tokens_without_a_recompile_warning(cache, caplog):
+    torch._dynamo.reset()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        _assert_same_tokens(_generate_both(_model("llama", "cpu", layers=1), (2,), 256, "cpu", **kwargs))
+    assert not [r for r in caplog.records if "recompile" in r.getMessage()], caplog.text
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+def test_transformers_compile_config_route():
+    """``CompileConfig(backend="piecewise")``: transformers compiles the decode steps itself (its default
+    mode, "reduce-overhead", is what the backend does anyway) and runs the prefill eagerly."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("llama", "cpu")
+    config = transformers.CompileConfig(backend="piecewise")
+    config._compile_all_devices = True  # transformers compiles on CUDA only, unless told (its own test hook)
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mine = _generate(model, ids, 8, cache_implementation="static", compile_config=config)
+    model.generation_config.disable_compile = True
+    theirs = _generate(model, ids, 8, cache_implementation="static")
+    assert torch.equal(mine, theirs)
+    _assert_static_decode_is_one_graph(start)
 
 
 @pytest.mark.cuda
-def test_llama_generate_on_cuda_with_changing_batch_sizes_gives_eager_tokens():
-    # the configuration that hit the device-side assert (8 layers, hidden 512, GQA, dynamic cache);
-    # how much of HF's decode step gets graphs on CUDA is another matter (its cache grows by
-    # torch.cat, so each KV length is a new shape): this checks it is never wrong
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_llama_generate_on_cuda_gives_eager_tokens(cache):
+    # the configuration that hit a device-side assert (8 layers, hidden 512, GQA), batch sizes changing
     torch._dynamo.reset()
-    _assert_same_tokens(_generate_both(_llama(8, 512, "cuda"), (1, 4, 3), 16, "cuda"))
+    start = last_serial()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    _assert_same_tokens(_generate_both(_model("llama", "cuda", 8, 512), (1, 4, 3), 16, "cuda", **kwargs))
+    if cache == "static":
+        _assert_static_decode_is_one_graph(start)
+    else:
+        _assert_dynamic_cache_replays(start)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["gpt2", "mistral"])
+def test_other_architectures_on_cuda_give_eager_tokens(arch):
+    torch._dynamo.reset()
+    for kwargs in ({}, {"cache_implementation": "static"}):
+        _assert_same_tokens(_generate_both(_model(arch, "cuda", 4, 256), (1, 4), 16, "cuda", **kwargs))

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 from .. import _torch_internals
 from .. import graph_facts as facts
+from ..attention_placement import grows_by_cat
 from ..op_names import canonical_op_name
 
 
@@ -134,7 +135,19 @@ def _length(stop: torch.fx.Node, placeholders: dict):
     return None
 
 
-def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozenset) -> AttentionSite | str:
+def _grown_by_cat(arg, roots: dict, hops: int = 6) -> bool:
+    """Are these keys/values a ``torch.cat``-grown cache, perhaps through views or ``repeat_kv``?"""
+    for _ in range(hops):
+        if not isinstance(arg, torch.fx.Node):
+            return False
+        if grows_by_cat(arg, roots):
+            return True
+        tensors = [i for i in arg.all_input_nodes if isinstance(facts.example_value(i), torch.Tensor)]
+        arg = tensors[0] if len(tensors) == 1 else None
+    return False
+
+
+def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozenset, roots: dict) -> AttentionSite | str:
     """The site to rewrite, or why this SDPA call stays eager (for people: the inspection report)."""
     query = node.args[0]
     q = facts.example_value(query)
@@ -142,6 +155,9 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
         return "its query is not [batch, heads, positions, head_dim]"
     if _torch_internals.sym_expr(q.shape[2]) != 1:
         return f"its query has {q.shape[2]} positions, not one (a prefill)"
+    if any(_grown_by_cat(a, roots) for a in node.args[1:3]):
+        return ("its keys/values grow by torch.cat every step (a dynamic cache): the cat runs eagerly beside it, "
+                "so the compute pieces replay at every KV length")
     extra = [k for k, v in node.kwargs.items() if not (k == "is_causal" and v is False)]
     if len(node.args) != 3 or extra:  # the kernel takes q, k, v alone (no mask, dropout, scale, GQA, causal)
         return f"it passes {', '.join(extra) or 'more than q, k, v'} (the graph-safe kernel takes q, k, v alone)"
@@ -168,10 +184,11 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
 def classify_attention(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> dict:
     """Every SDPA call of ``graph`` by node name: its :class:`AttentionSite`, or why it stays eager."""
     placeholders = {n: i for i, n in enumerate(facts.placeholders(graph))}
+    roots = facts.alias_roots(graph)
     out = {}
     for node in graph.nodes:
         if node.op == "call_function" and canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
-            out[node.name] = _site_or_reason(node, static_inputs, placeholders, steps)
+            out[node.name] = _site_or_reason(node, static_inputs, placeholders, steps, roots)
     return out
 
 

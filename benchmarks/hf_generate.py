@@ -1,0 +1,181 @@
+"""Hugging Face ``generate()`` per token: eager, torch.compile's paths and this backend, side by side.
+
+    python benchmarks/hf_generate.py --out hf.json [--models 8L-512 1B] [--batches 1 4 16] [--tokens 64]
+    python benchmarks/hf_generate.py --out /tmp/hf.json --device cpu --models tiny --batches 2 --tokens 8
+
+What a user would run, with torch's and transformers' defaults (fp32, torch's SDPA selection,
+random weights from the config): per model and batch, each variant generates ``--tokens`` greedy
+tokens after a 16-token prompt. ``ms_per_token`` is the mean time between consecutive decode steps
+(stamped by a logits processor, so the prefill is left out), the better of two timed runs after one
+warm-up run that compiles and captures. ``token_agreement`` is the share of generated tokens equal
+to eager's with the dynamic cache; ``speedup_vs_eager`` divides that eager row's time by the row's.
+
+Variants (each after ``torch._dynamo.reset()``, so none is served another's compiled code):
+
+* ``eager`` / ``eager-static``: no compile; HF's default dynamic cache / ``cache_implementation="static"``
+* ``compile-default``: ``model.forward = torch.compile(model.forward)`` (Inductor, default mode)
+* ``hf-static-reduce-overhead``: transformers' documented path: static cache and its automatic
+  ``compile_config`` (Inductor, ``mode="reduce-overhead"``, decode steps only); its error is recorded
+  if it fails
+* ``piecewise-dynamic`` / ``piecewise-static``: ``torch.compile(model.forward, backend="piecewise")``
+* ``piecewise-compile-config``: the static cache with ``CompileConfig(backend="piecewise")``
+
+A row that fails records ``error`` instead of timings. Rows are saved as they are measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+import traceback
+import warnings
+
+import torch
+import transformers
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (the repository root on sys.path)
+from record import code_hash  # noqa: E402
+
+MODELS = {
+    # the configuration of the issue: 8 layers, hidden 512, GQA
+    "8L-512": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=32000),
+    # a smoke test's size (``--device cpu``)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=256),
+    # TinyLlama-1.1B's shape (1.1e9 parameters), random weights
+    "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+               num_key_value_heads=4, vocab_size=32000),
+}
+VARIANTS = ("eager", "eager-static", "compile-default", "hf-static-reduce-overhead", "piecewise-dynamic",
+            "piecewise-static", "piecewise-compile-config")
+PROMPT = 16
+
+
+class StepStamps(transformers.LogitsProcessor):
+    """Records the host time of every decode step (generate() waits for each step's tokens)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def build_model(key: str, device: str):
+    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **MODELS[key])
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(device).eval()
+    model.generation_config.eos_token_id = None  # every run generates exactly --tokens tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def prepare(variant: str, model, eager_forward) -> dict:
+    """Set the model up for ``variant``; returns the extra generate() arguments."""
+    torch._dynamo.reset()
+    model.forward = eager_forward
+    for attr in ("_compiled_call", "_last_compile_config"):
+        model.__dict__.pop(attr, None)
+    static = "static" in variant or variant.endswith("compile-config")
+    kwargs = {"cache_implementation": "static"} if static else {}
+    model.generation_config.disable_compile = variant not in ("hf-static-reduce-overhead", "piecewise-compile-config")
+    if variant in ("compile-default", "piecewise-dynamic", "piecewise-static"):
+        model.forward = torch.compile(eager_forward, **({"backend": "piecewise"} if "piecewise" in variant else {}))
+    if variant == "hf-static-reduce-overhead":
+        kwargs["compile_config"] = transformers.CompileConfig()
+    if variant == "piecewise-compile-config":
+        kwargs["compile_config"] = transformers.CompileConfig(backend="piecewise")
+    return kwargs
+
+
+def run(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]:
+    stamps = StepStamps()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
+                             logits_processor=transformers.LogitsProcessorList([stamps]), **kwargs)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    steps = stamps.times
+    return out[:, ids.shape[1]:], (steps[-1] - steps[1]) * 1e3 / (len(steps) - 2)
+
+
+def measure(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]:
+    out, _ = run(model, ids, tokens, kwargs)  # compiles and captures
+    times = [run(model, ids, tokens, kwargs)[1] for _ in range(2)]
+    return out, min(times)
+
+
+def piecewise_facts() -> dict:
+    import piecewise_backend
+
+    graphs = piecewise_backend.compiled_graphs()
+    if not graphs:
+        return {}
+    busiest = max(graphs, key=lambda g: g.stats.calls)
+    return {"graphs": len(graphs), "decode_pieces": busiest.stats.num_pieces,
+            "decode_compute_pieces": busiest.stats.num_compute_pieces, "replays": busiest.stats.replays,
+            "captures": busiest.stats.captures, "ungraphed_runs": busiest.stats.ungraphed_runs,
+            "attention": [how for _, how in busiest.plan.attention][:1]}
+
+
+def bench_model(key: str, batches, tokens: int, variants, rows: list, save, device: str) -> None:
+    model = build_model(key, device)
+    eager_forward = model.forward
+    g = torch.Generator().manual_seed(0)
+    prompts = {b: torch.randint(3, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in batches}
+    reference: dict = {}
+    for variant in variants:
+        kwargs = prepare(variant, model, eager_forward)
+        for batch in batches:
+            row = {"model": f"hf-llama-{key}", "params": sum(p.numel() for p in model.parameters()),
+                   "cache": "static" if "static" in kwargs.get("cache_implementation", "") else "dynamic",
+                   "batch": batch, "variant": variant, "tokens": tokens, "dtype": "float32"}
+            try:
+                out, ms = measure(model, prompts[batch], tokens, kwargs)
+                if variant == "eager":
+                    reference[batch] = (out, ms)
+                ref_out, ref_ms = reference[batch]
+                row.update(ms_per_token=round(ms, 3), speedup_vs_eager=round(ref_ms / ms, 2),
+                           token_agreement=round((out == ref_out).float().mean().item(), 4))
+                if "piecewise" in variant:
+                    row.update(piecewise_facts())
+            except Exception as exc:  # a path that fails is a result too
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.print_exc()
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            save()
+    model.forward = eager_forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", nargs="+", default=["8L-512", "1B"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    if "eager" not in args.variants:
+        args.variants = ["eager", *args.variants]
+    rows: list = []
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "code_hash": code_hash()}
+
+    def save():
+        pathlib.Path(args.out).write_text(json.dumps({**meta, "hf": rows}, indent=1) + "\n")
+
+    for key in args.models:
+        bench_model(key, args.batches, args.tokens, args.variants, rows, save, args.device)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Where attention and its neighbours run (``attention_placement.py``, ``in_place_writes.py``):
+
+* decode attention of fixed shape (a whole static cache under a mask) is compiled with its piece;
+* what is sized by a KV length and read only by attention (a cache grown by ``torch.cat``) runs
+  beside the eager attention, so compute pieces are captured per batch size, not per KV length;
+* index writes and fixed-size updates of a whole input are captured, into the caller's tensor;
+* ``mode="reduce-overhead"`` (transformers' ``CompileConfig`` default) is accepted, Inductor's other
+  modes refused by name.
+
+CPU, graphs emulated; every test compares with eager.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from piecewise_backend.kinds import PieceKind
+from toys.models import ToyConfig, ToyStaticCacheLlama
+
+from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes
+from .helpers import last_serial
+
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
+CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
+
+
+def _static_cache_decode(options):
+    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, CFG, options)
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 3), static_cache=True, steps=3))
+    return busiest_graph(start)
+
+
+def test_fixed_shape_decode_attention_is_compiled_with_its_piece():
+    graph = _static_cache_decode({})
+    assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"] * CFG.layers
+    assert not [p for p in graph.pieces if p.kind == PieceKind.SPLIT]
+    assert graph.stats.replays > 0
+
+
+def test_graph_attention_off_keeps_fixed_shape_attention_eager():
+    graph = _static_cache_decode(SPLIT_ATTENTION)
+    assert len([p for p in graph.pieces if p.kind == PieceKind.SPLIT]) == CFG.layers
+    assert all(how.startswith("eager: ") for _, how in graph.plan.attention)
+
+
+class CatCacheModel(torch.nn.Module):
+    """``forward(x [B, 1, D], past_k, past_v) -> (out, k, v)``: a cache grown by ``torch.cat``."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x, past_k, past_v):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, s, d)), k, v
+
+
+def test_a_cache_grown_by_cat_runs_beside_attention_and_compute_pieces_replay():
+    torch._dynamo.reset()
+    start = last_serial()
+    torch.manual_seed(0)
+    model = CatCacheModel().eval()
+    compiled = torch.compile(model, backend="piecewise")
+    caches = {name: (torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for name in ("mine", "eager")}
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(2, 1, 32)
+            mine, *caches["mine"] = compiled(x, *caches["mine"])
+            theirs, *caches["eager"] = model(x, *caches["eager"])
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    for a, b in zip(caches["mine"], caches["eager"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    graph = busiest_graph(start)
+    assert graph.stats.captured_keys == {()}, graph.stats.summary()  # one capture for every KV length
+    assert graph.stats.replays >= 3
+    assert any("grows a cache by cat" in why for p in graph.pieces for why in p.eager_reasons)
+    assert any("grow by torch.cat" in how for _, how in graph.plan.attention)
+
+
+class IndexWrites(torch.nn.Module):
+    """A cache the caller passes and fills at a tensor position, and a step counter: Hugging Face's
+    StaticCache, in small."""
+
+    def forward(self, x, cache, position, counter):
+        cache.index_copy_(1, position, x)
+        counter.add_(1)
+        return (cache * 2).sum(dim=1) + counter
+
+
+def test_index_writes_of_a_callers_tensor_are_captured_into_that_tensor():
+    torch._dynamo.reset()
+    start = last_serial()
+    compiled = torch.compile(IndexWrites(), backend="piecewise")
+    mine = (torch.zeros(2, 8, 4), torch.zeros((), dtype=torch.long))
+    theirs = (torch.zeros(2, 8, 4), torch.zeros((), dtype=torch.long))
+    for step in range(5):
+        x, position = torch.randn(2, 1, 4), torch.tensor([step])
+        torch.testing.assert_close(compiled(x, mine[0], position, mine[1]), IndexWrites()(x, theirs[0], position, theirs[1]))
+    assert torch.equal(mine[0], theirs[0]) and int(mine[1]) == int(theirs[1]) == 5
+    graph = busiest_graph(start)
+    assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
+
+
+def test_reduce_overhead_mode_is_accepted_and_other_modes_refused_by_name():
+    torch._dynamo.reset()
+    x = torch.randn(4, 8)
+    f = torch.compile(lambda t: torch.relu(t) * 2, backend="piecewise", mode="reduce-overhead")
+    start = last_serial()
+    torch.testing.assert_close(f(x), torch.relu(x) * 2)
+    assert busiest_graph(start).stats.calls == 1  # compiled by this backend
+    torch._dynamo.reset()
+    g = torch.compile(lambda t: torch.relu(t) * 3, backend="piecewise", mode="max-autotune")
+    with pytest.raises(Exception, match="mode='max-autotune' is not supported"):
+        g(x)
