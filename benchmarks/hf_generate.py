@@ -78,6 +78,8 @@ def build_model(key: str, device: str):
 
 def prepare(variant: str, model, eager_forward) -> dict:
     """Set the model up for ``variant``; returns the extra generate() arguments."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     torch._dynamo.reset()
     model.forward = eager_forward
     for attr in ("_compiled_call", "_last_compile_config"):
@@ -132,12 +134,17 @@ def bench_model(key: str, batches, tokens: int, variants, rows: list, save, devi
     prompts = {b: torch.randint(3, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in batches}
     reference: dict = {}
     for variant in variants:
-        kwargs = prepare(variant, model, eager_forward)
+        try:
+            kwargs, failure = prepare(variant, model, eager_forward), None
+        except Exception as exc:  # an unknown variant, a transformers without CompileConfig, ...
+            kwargs, failure = {}, f"{type(exc).__name__}: {str(exc)[:300]}"
         for batch in batches:
             row = {"model": f"hf-llama-{key}", "params": sum(p.numel() for p in model.parameters()),
                    "cache": "static" if "static" in kwargs.get("cache_implementation", "") else "dynamic",
                    "batch": batch, "variant": variant, "tokens": tokens, "dtype": "float32"}
             try:
+                if failure:
+                    raise RuntimeError(failure)
                 out, ms = measure(model, prompts[batch], tokens, kwargs)
                 if variant == "eager":
                     reference[batch] = (out, ms)

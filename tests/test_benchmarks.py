@@ -283,3 +283,19 @@ def test_gpu_timed_records_events_and_waits_only_when_asked():
     assert len(timed.marks) == 6 and all(isinstance(m, torch.cuda.Event) for pair in timed.marks for m in pair)
     assert timed.median_ms(6) > 0  # elapsed_time raises on an event that has not completed: the wait worked
     assert all(float(o[0]) == 2.0 for o in outs)
+
+
+def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
+    """``hf_generate.py`` on CPU: an eager row first (the reference), then a piecewise row with its token
+    agreement, speed-up and the decode graph's facts; a variant that fails is a row with its error."""
+    pytest.importorskip("transformers")
+    import hf_generate
+
+    rows: list = []
+    hf_generate.bench_model("tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu")
+    by_variant = {r["variant"]: r for r in rows}
+    assert list(by_variant) == ["eager", "piecewise-static", "no-such-variant"]
+    assert by_variant["eager"]["speedup_vs_eager"] == 1.0 and by_variant["eager"]["ms_per_token"] > 0
+    static = by_variant["piecewise-static"]
+    assert static["cache"] == "static" and static["token_agreement"] == 1.0 and static["decode_pieces"] == 1, static
+    assert "error" in by_variant["no-such-variant"]
