@@ -118,3 +118,39 @@ def test_reduce_overhead_mode_is_accepted_and_other_modes_refused_by_name():
     g = torch.compile(lambda t: torch.relu(t) * 3, backend="piecewise", mode="max-autotune")
     with pytest.raises(Exception, match="mode='max-autotune' is not supported"):
         g(x)
+
+
+class MaskedCatCacheModel(CatCacheModel):
+    """transformers 5.17's decode: the mask is built per step from ``attention_mask [B, past + 1]`` and
+    the query's position ``arange(1) + past``, both of which depend on the KV length."""
+
+    def forward(self, x, past_k, past_v, attention_mask):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        past = past_k.shape[2]
+        k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+        causal = torch.arange(past + 1)[None, :] <= (torch.arange(1) + past)[:, None]
+        mask = causal[None, None] & attention_mask.bool()[:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(b, s, d)), k, v
+
+
+def test_a_mask_built_for_the_kv_length_runs_beside_attention_too():
+    torch._dynamo.reset()
+    start = last_serial()
+    torch.manual_seed(0)
+    model = MaskedCatCacheModel().eval()
+    compiled = torch.compile(model, backend="piecewise")
+    caches = {name: (torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for name in ("mine", "eager")}
+    with torch.no_grad():
+        for step in range(6):
+            x = torch.randn(2, 1, 32)
+            attention_mask = torch.ones(2, step + 2, dtype=torch.long)
+            attention_mask[1, 0] = 0  # a padded first position in the second row
+            mine, *caches["mine"] = compiled(x, *caches["mine"], attention_mask)
+            theirs, *caches["eager"] = model(x, *caches["eager"], attention_mask)
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    graph = busiest_graph(start)
+    assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per KV length
+    assert graph.stats.replays >= 3
+    assert any("depends on a KV length" in why for p in graph.pieces for why in p.eager_reasons)
