@@ -61,22 +61,27 @@ class CatCacheModel(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, d)), k, v
 
 
-def test_a_cache_grown_by_cat_runs_beside_attention_and_compute_pieces_replay():
+def _decode_with_growing_cache(model, extra_args=lambda step: ()):
+    """Six decode steps of ``model`` (caches grown by cat) compiled and eager, outputs and caches
+    compared; returns the compiled graph that served the steps."""
     torch._dynamo.reset()
     start = last_serial()
-    torch.manual_seed(0)
-    model = CatCacheModel().eval()
     compiled = torch.compile(model, backend="piecewise")
     caches = {name: (torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for name in ("mine", "eager")}
     with torch.no_grad():
-        for _ in range(6):
-            x = torch.randn(2, 1, 32)
-            mine, *caches["mine"] = compiled(x, *caches["mine"])
-            theirs, *caches["eager"] = model(x, *caches["eager"])
+        for step in range(6):
+            x, extra = torch.randn(2, 1, 32), extra_args(step)
+            mine, *caches["mine"] = compiled(x, *caches["mine"], *extra)
+            theirs, *caches["eager"] = model(x, *caches["eager"], *extra)
             torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
     for a, b in zip(caches["mine"], caches["eager"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    graph = busiest_graph(start)
+    return busiest_graph(start)
+
+
+def test_a_cache_grown_by_cat_runs_beside_attention_and_compute_pieces_replay():
+    torch.manual_seed(0)
+    graph = _decode_with_growing_cache(CatCacheModel().eval())
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # one capture for every KV length
     assert graph.stats.replays >= 3
     assert any("grows a cache by cat" in why for p in graph.pieces for why in p.eager_reasons)
@@ -135,22 +140,15 @@ class MaskedCatCacheModel(CatCacheModel):
         return self.out(o.transpose(1, 2).reshape(b, s, d)), k, v
 
 
+def _padded_attention_mask(step: int) -> tuple:
+    attention_mask = torch.ones(2, step + 2, dtype=torch.long)
+    attention_mask[1, 0] = 0  # a padded first position in the second row
+    return (attention_mask,)
+
+
 def test_a_mask_built_for_the_kv_length_runs_beside_attention_too():
-    torch._dynamo.reset()
-    start = last_serial()
     torch.manual_seed(0)
-    model = MaskedCatCacheModel().eval()
-    compiled = torch.compile(model, backend="piecewise")
-    caches = {name: (torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for name in ("mine", "eager")}
-    with torch.no_grad():
-        for step in range(6):
-            x = torch.randn(2, 1, 32)
-            attention_mask = torch.ones(2, step + 2, dtype=torch.long)
-            attention_mask[1, 0] = 0  # a padded first position in the second row
-            mine, *caches["mine"] = compiled(x, *caches["mine"], attention_mask)
-            theirs, *caches["eager"] = model(x, *caches["eager"], attention_mask)
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
-    graph = busiest_graph(start)
+    graph = _decode_with_growing_cache(MaskedCatCacheModel().eval(), _padded_attention_mask)
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per KV length
     assert graph.stats.replays >= 3
     assert any("depends on a KV length" in why for p in graph.pieces for why in p.eager_reasons)
