@@ -270,8 +270,9 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
     row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
-    symbols = {n.name: facts.value_symbols(v, with_offset=False)
-               for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)}
+    symbols = {n.name: facts.value_symbols(v, with_offset=False)  # only whole writes need them
+               for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)
+               if n.name in split.whole_writes}
     padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access, symbols)
     calls = _attention_calls(split)
     return GraphPlan(

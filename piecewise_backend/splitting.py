@@ -67,7 +67,8 @@ class SplitGraph:
 def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
               forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict) -> tuple[dict, dict]:
     """Kind of every op node, and a reason string for each eager one (``attention_placement.py`` says
-    which attention stays in a graph, ``fixed_attention``, and which cache growth joins attention)."""
+    which attention stays in a graph, ``fixed_attention``, and which nodes depend on a KV length and
+    so run beside the eager attention, ``beside_attention``)."""
     roots = facts.alias_roots(graph)
     input_roots = {n for n in graph.nodes if n.op == "placeholder" and n.name not in writable}
     kinds: dict = {}

@@ -286,16 +286,24 @@ def test_gpu_timed_records_events_and_waits_only_when_asked():
 
 
 def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
-    """``hf_generate.py`` on CPU: an eager row first (the reference), then a piecewise row with its token
-    agreement, speed-up and the decode graph's facts; a variant that fails is a row with its error."""
+    """``hf_generate.py`` on CPU, two interleaved rounds: an eager row first (the reference), then a
+    piecewise row with its token agreement, speed-up and the decode graph's facts, one row per
+    variant with a time per round; a variant that fails is a row with its error, once."""
     pytest.importorskip("transformers")
+    import statistics
+
     import hf_generate
 
     rows: list = []
-    hf_generate.bench_model("tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu")
+    hf_generate.bench_model("tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu",
+                            rounds=2)
     by_variant = {r["variant"]: r for r in rows}
-    assert list(by_variant) == ["eager", "piecewise-static", "no-such-variant"]
-    assert by_variant["eager"]["speedup_vs_eager"] == 1.0 and by_variant["eager"]["ms_per_token"] > 0
-    static = by_variant["piecewise-static"]
+    assert [r["variant"] for r in rows] == ["eager", "piecewise-static", "no-such-variant"]
+    eager, static = by_variant["eager"], by_variant["piecewise-static"]
+    for row in (eager, static):
+        assert row["rounds"] == "interleaved" and len(row["ms_rounds"]) == 2, row
+        assert row["ms_per_token"] == round(statistics.median(row["ms_rounds"]), 3)
+    assert eager["speedup_vs_eager"] == 1.0 and eager["ms_per_token"] > 0
+    assert static["speedup_vs_eager"] == round(eager["ms_per_token"] / static["ms_per_token"], 2)
     assert static["cache"] == "static" and static["token_agreement"] == 1.0 and static["decode_pieces"] == 1, static
-    assert "error" in by_variant["no-such-variant"]
+    assert "error" in by_variant["no-such-variant"] and "ms_rounds" not in by_variant["no-such-variant"]

@@ -55,7 +55,7 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
     if kernel == "split_key_triton" and not decode_kernel.available():
         pytest.skip("Triton is not installed")
     run = decode_kernel.prefix_attention if kernel == "split_key_triton" else _efficient_prefix_attention
-    for batch, dtype, tol in ((1, torch.float32, 1e-4), (3, torch.bfloat16, 2e-2)):
+    for batch, dtype, tol in ((1, torch.float32, 1e-4), (3, torch.bfloat16, 2e-2), (20, torch.bfloat16, 2e-2)):
         q, k_cache, v_cache = _attention_case("cuda", buffer_len, batch=batch, heads=16, dtype=dtype)
         got = run(q, k_cache[:batch], v_cache[:batch], torch.tensor([length], device="cuda"))
         want = F.scaled_dot_product_attention(q, k_cache[:batch, :, :length], v_cache[:batch, :, :length])
@@ -66,15 +66,20 @@ INTERPRETED_CHECK = """
 import torch, torch.nn.functional as F
 from piecewise_backend.decode import kernel as decode_kernel
 g = torch.Generator().manual_seed(0)
-cases = [(1, 4, 300, 64, 1, 132), (1, 4, 300, 64, 65, 132), (2, 3, 130, 32, 130, 4), (3, 2, 40, 48, 17, 132),
-         (1, 16, 304, 64, 280, 132)]
-for batch, heads, buffer_len, dim, length, sms in cases:
-    splits, chunk = decode_kernel.plan_splits(batch * heads, buffer_len, sms)
-    assert splits * chunk >= buffer_len and chunk % decode_kernel.BLOCK_N == 0, (splits, chunk)
+cases = [(1, 4, 300, 64, 1), (1, 4, 300, 64, 65), (2, 3, 130, 32, 130), (3, 2, 40, 48, 17), (1, 16, 304, 64, 280),
+         (4, 16, 200, 64, 131), (20, 16, 150, 32, 150),  # blocks of 64 and of 128 keys
+         (20, 4, 150, 128, 99),  # a head dim of 128: blocks of 64 keys
+         (2, 2, 16 * 300, 32, 16 * 300 - 5), (1, 2, 16 * 300, 32, 200)]  # the last two: chunks of several blocks
+for batch, heads, buffer_len, dim, length in cases:
+    block, splits, chunk = decode_kernel.plan_splits(batch * heads, buffer_len, dim)
+    assert block == decode_kernel.block_size(batch * heads, dim) and chunk % block == 0, (block, chunk)
+    assert block * decode_kernel.triton_block_d(dim) <= decode_kernel.TILE
+    assert splits * chunk >= buffer_len > (splits - 1) * chunk and splits <= decode_kernel.MAX_SPLITS, (splits, chunk)
+    assert chunk == block or buffer_len > block * decode_kernel.MAX_SPLITS
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
         k, v = torch.randn(2, batch + 1, heads, buffer_len, dim, generator=g).to(dtype)[:, :batch].unbind(0)
-        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]), processors=sms)
+        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]))
         want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length])
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 print("ok")
@@ -84,7 +89,9 @@ print("ok")
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed (CUDA builds have it)")
 def test_split_key_kernel_in_tritons_interpreter():
     """The Triton kernel on CPU tensors, run by Triton's interpreter (set before the kernel module
-    is imported, hence a fresh process): several splits, a chunk past the length, odd head dims."""
+    is imported, hence a fresh process): several splits, chunks past the length (they store nothing:
+    the merge must skip them), odd head dims, each block size, a buffer long enough for chunks of
+    several blocks."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", INTERPRETED_CHECK], env=env, capture_output=True, text=True,
                           timeout=600)
@@ -125,11 +132,11 @@ def test_prefill_attention_is_left_alone():
 def test_an_attention_length_past_the_buffer_is_refused(one_graph_decode):
     graph = max(graphs_since(one_graph_decode[2]), key=lambda g: g.stats.calls)
     scalars = graph.step_scalars
-    length = next(s for s in scalars.slots if s.offset == 1)
-    args = [None] * (1 + max(s.arg for s in scalars.slots))
-    for slot in scalars.slots:
-        args[slot.arg] = slot.low - slot.offset
-    args[length.arg] = CFG.max_seq
-    assert (length.low, length.high) == (1, CFG.max_seq)  # pos + 1 keys, within the cache
-    with pytest.raises(IndexError, match=rf"needs 0 <= {length.name} <= 31; got {length.name} = 32.*outside"):
+    # one slot for pos, read by the RoPE row, the write at pos and (plus one) the attention's length:
+    # one fill_ per step, with the tightest bounds of the three
+    assert [(s.low, s.high) for s in scalars.slots] == [(0, CFG.max_seq - 1)], scalars.slots
+    position = scalars.slots[0]
+    args = [None] * (1 + position.arg)
+    args[position.arg] = CFG.max_seq
+    with pytest.raises(IndexError, match=rf"needs 0 <= {position.name} <= 31; got {position.name} = 32.*outside"):
         scalars.refresh(tuple(args))  # the read of the RoPE row and the write at pos refuse first

@@ -127,3 +127,22 @@ def test_a_replaced_kv_cache_gets_graphs_that_write_the_new_one():
     torch.testing.assert_close(compiled._orig_mod.layers[1].attn.k_cache, reference.layers[1].attn.k_cache)
     graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2 and not graph.stats.failed_captures
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_the_per_call_address_check_sees_a_weight_moved_through_data(device):
+    """``WeightSets.unchanged``, the check every call makes: torch's C++ comparison on CUDA builds
+    (the Python tuple elsewhere). Only the parameters'/buffers' addresses count."""
+    from piecewise_backend.runtime.weight_sets import WeightSets
+
+    weight, buffer = torch.zeros(4, device=device), torch.zeros(4, device=device)
+    args = (weight, 3, buffer, torch.ones(2, device=device))
+    sets = WeightSets((0, 2), limit=4)
+    if device == "cuda":
+        assert sets._ptrs_equal is not None  # the C++ path is the one under test
+    assert not sets.unchanged(args)  # no active set yet
+    addresses = sets.addresses(args)
+    sets.activate(addresses, sets.find(addresses))
+    assert sets.unchanged(args) and sets.unchanged((weight, 4, buffer, torch.zeros(3, device=device)))
+    buffer.data = torch.zeros(4, device=device)  # same tensor object, new memory
+    assert not sets.unchanged(args) and sets.addresses(args) != addresses

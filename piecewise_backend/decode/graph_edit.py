@@ -106,10 +106,10 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
         size = dim[1] if dim[0] != Dim.STEP else dim[2]
         rows = add("call_function", torch.arange, size, device=device)
         if dim[0] == Dim.STEP:
-            start = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
+            start = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
             rows = add("call_function", operator.add, rows, start)
         elif dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node) and masked:
-            limit = add("call_function", operator.getitem, scalars, slot_of[(dim[1], 0)])
+            limit = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
             keep = add("call_function", operator.lt, rows, limit)
             full_shape = [1] * ndim
             full_shape[d] = -1

@@ -7,16 +7,34 @@ that walks all its keys in turn; at batch 1 that is 16 blocks for a 132-SM H200,
 latency is paid once per layer. SDPA's flash kernel splits the keys across blocks when the
 length is a host int ("flash-decoding"); this does the same with a device length: the keys are cut
 into ``splits`` chunks, each program reduces one (row, head, chunk) to a partial output and its
-log-sum-exp, and a second kernel merges the chunks. Chunks past the live length exit at once, so
-the launch is identical at every step while the work follows the length.
+log-sum-exp, and a second kernel merges the live chunks. Chunks past the live length store
+nothing, so the launch is identical at every step while the work follows the length.
 
-The split count is fixed per shape (batch, heads, buffer length), chosen to give about two
-programs per SM; it never depends on the length, which a captured graph could not follow.
+The launch is fixed per shape, never per live length (a captured graph cannot follow the length),
+and a decode's live prefix is usually a fraction of its buffer, so chunks sized for a full buffer
+leave most programs idle. Each program therefore takes one block of keys (``block`` of them,
+by the number of (row, head) pairs) and runs as one warp; only buffers longer than
+``MAX_SPLITS`` blocks get chunks of several blocks. Measured on the H200 (bf16, 16 heads, head dim
+64, µs per call in a CUDA graph, merge included; 300 live keys of 336):
+
+    ======================  ========  ========  =========
+    batch                   1         8         32
+    ======================  ========  ========  =========
+    SDPA (torch's choice)   5.2       5.6       10.1
+    before (4 warps, 2      4.9       7.1       17.7
+    programs per SM)
+    block 16, 1 warp        **4.2**   6.0       12.6
+    block 64, 1 warp        5.1       **5.9**   12.6
+    block 128, 1 warp       6.8       7.1       **10.1**
+    ======================  ========  ========  =========
+
+At batch 32 with 1,000 live keys: 37.8 (block 128) against SDPA's 33.9 and 51.9 before. More warps
+per program lose because a block's two reductions (over the head dim, then over the keys) cross
+warps through shared memory.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -27,7 +45,7 @@ try:  # Triton ships with CUDA builds of torch; CPU builds run prefix attention 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK_N = 64  # keys per inner step
+MAX_SPLITS = 256  # chunks per (row, head) at most: the merge reduces them in one block
 
 
 def available() -> bool:
@@ -74,16 +92,18 @@ if triton is not None:
         has_keys = denominator > 0.0
         out = acc / tl.where(has_keys, denominator, 1.0)
         lse = tl.where(has_keys, running_max + tl.log(tl.where(has_keys, denominator, 1.0)), float("-inf"))
-        slot = row_head * splits + split
-        tl.store(out_ptr + slot * HEAD_DIM + d, out, mask=d_ok)
-        tl.store(lse_ptr + slot, lse)
+        if start < length:  # a chunk past the live prefix stores nothing (the merge skips it)
+            slot = row_head * splits + split
+            tl.store(out_ptr + slot * HEAD_DIM + d, out, mask=d_ok)
+            tl.store(lse_ptr + slot, lse)
 
     @triton.jit
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, splits,
+    def _merge_kernel(part_ptr, lse_ptr, out_ptr, length_ptr, splits, chunk,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
         row_head = tl.program_id(0)
+        length = tl.load(length_ptr).to(tl.int32)
         s = tl.arange(0, BLOCK_S)
-        s_ok = s < splits
+        s_ok = s < tl.minimum(splits, (length + chunk - 1) // chunk)  # the live chunks
         lse = tl.load(lse_ptr + row_head * splits + s, mask=s_ok, other=float("-inf"))
         weights = tl.exp(lse - tl.max(lse, axis=0))  # chunk 0 always holds key 0: the max is finite
         weights = weights / tl.sum(weights, axis=0)
@@ -95,21 +115,31 @@ if triton is not None:
         tl.store(out_ptr + row_head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _processors(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+TILE = 128 * 64  # keys x head dims one warp holds at most: the best measured (block 128, head dim 64)
 
 
-def plan_splits(row_heads: int, buffer_len: int, processors: int) -> tuple[int, int]:
-    """(splits, chunk): about two programs per SM, chunks whole multiples of BLOCK_N keys."""
-    most = max(1, math.ceil(buffer_len / BLOCK_N))
-    splits = min(most, max(1, math.ceil(2 * processors / row_heads)))
-    chunk = math.ceil(math.ceil(buffer_len / splits) / BLOCK_N) * BLOCK_N
-    return math.ceil(buffer_len / chunk), chunk
+def block_size(row_heads: int, head_dim: int = 64) -> int:
+    """Keys per block for ``row_heads`` (row, head) pairs: small blocks (more programs) when there
+    are few pairs, large ones (fewer, longer programs) when there are many (see the table above),
+    no larger than one warp's ``TILE`` (a head dim of 128 halves the largest: registers)."""
+    block = 16 if row_heads <= 32 else 64 if row_heads <= 256 else 128
+    return max(16, min(block, TILE // triton_block_d(head_dim)))
 
 
-def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                     processors: int | None = None) -> torch.Tensor:
+def triton_block_d(head_dim: int) -> int:
+    return 1 << max(0, head_dim - 1).bit_length()  # the next power of two (Triton's tiles)
+
+
+def plan_splits(row_heads: int, buffer_len: int, head_dim: int = 64) -> tuple[int, int, int]:
+    """(block, splits, chunk): chunks of one block, or of whole blocks for buffers longer than
+    ``MAX_SPLITS`` blocks; ``splits * chunk >= buffer_len``."""
+    block = block_size(row_heads, head_dim)
+    most = max(1, math.ceil(buffer_len / block))
+    chunk = math.ceil(most / MAX_SPLITS) * block
+    return block, math.ceil(buffer_len / chunk), chunk
+
+
+def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
     """Attention of ``q`` [B, H, 1, D] over positions ``[0, length)`` of ``keys``/``values`` [B, H, L, D]
     (last dim contiguous); ``length`` a one-element integer tensor on the same device, 1 <= length <= L."""
     batch, heads, _, dim = q.shape
@@ -118,19 +148,17 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q = q.contiguous()
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("prefix_attention: keys and values need a contiguous last (head) dim")
-    if processors is None:
-        processors = _processors(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    splits, chunk = plan_splits(batch * heads, buffer_len, processors)
+    block, splits, chunk = plan_splits(batch * heads, buffer_len, dim)
     partial = torch.empty(batch * heads * splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch * heads * splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, heads, 1, dim, device=q.device, dtype=q.dtype)
-    block_d = triton.next_power_of_2(dim)
+    block_d = triton_block_d(dim)
     _partial_kernel[(batch * heads, splits)](
         q, keys, values, length, partial, lse,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         heads, chunk, splits, 1.0 / math.sqrt(dim),
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=BLOCK_N)
-    _merge_kernel[(batch * heads,)](partial, lse, out, splits, HEAD_DIM=dim, BLOCK_D=block_d,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=1)
+    _merge_kernel[(batch * heads,)](partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits))
     return out

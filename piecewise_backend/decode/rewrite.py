@@ -105,9 +105,14 @@ def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node,
         rewrite_read(site, scalars, slot_of, fake_mode)
     for site in sites.ranges:
         rewrite_step_range(site, scalars, slot_of, fake_mode)
+    lengths: dict = {}  # (position, constant) -> its node, built once before the first attention reading it
     for site in sites.attention:
         add = Builder(graph, site.node, fake_mode)
-        attention = rewrite_attention(site, add("call_function", operator.getitem, scalars, slot_of[site.length]), add)
+        if site.length not in lengths:  # one node for every layer (Inductor kept 16 adds as 16 kernels)
+            position, constant = site.length
+            length = add("call_function", operator.getitem, scalars, slot_of[position])
+            lengths[site.length] = add("call_function", operator.add, length, constant) if constant else length
+        attention = rewrite_attention(site, lengths[site.length], add)
         row_access[attention] = tuple((buffer, 0) for buffer in site.buffers)  # it reads ``cache[:B]``
     return row_access
 

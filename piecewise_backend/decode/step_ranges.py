@@ -60,6 +60,6 @@ def find_step_ranges(graph: torch.fx.Graph, steps: frozenset) -> list[RangeSite]
 def rewrite_step_range(site: RangeSite, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> None:
     add = Builder(site.node.graph, site.node, fake_mode)
     offsets = add("call_function", torch.arange, site.length, **site.node.kwargs)
-    start = add("call_function", operator.getitem, scalars, slot_of[(site.start, 0)])
+    start = add("call_function", operator.getitem, scalars, slot_of[site.start])
     site.node.replace_all_uses_with(add("call_function", operator.add, offsets, start))
     site.node.graph.erase_node(site.node)

@@ -6,6 +6,10 @@ refreshes it once per call (one ``fill_`` per value that changed, none when noth
 checking every value against the bounds its readers need, so an out-of-range position raises a
 named error on the host rather than a device-side index error that kills the CUDA context.
 
+One slot per per-step int, whatever constants its readers add (``pos`` for the write, ``pos + 1``
+for the attention's length): the graph adds them. Why: each ``fill_`` is a kernel launch from the
+host on every decode step (~5 µs on the H200 machine); an add in the graph costs next to nothing.
+
 Slot 0 is the *enable* flag: up-front capture runs compute pieces on made-up inputs and sets it to
 0, and every rewritten write then puts back what it read.
 """
@@ -33,27 +37,27 @@ class Slot:
     low: int  # value must be >= low ...
     high: int  # ... and <= high
     what: str  # the reader it guards, for the error message
-    offset: int = 0  # the slot holds the input plus this (an attention length: pos + 1)
 
 
 class Slots:
-    """Step scalars by (graph input, constant added), with the tightest bounds any reader needs."""
+    """Step scalars by graph input, with the tightest bounds any reader needs."""
 
     def __init__(self, graph: torch.fx.Graph):
         self.position = {n: i for i, n in enumerate(facts.placeholders(graph))}
         self.slots: list[Slot] = []
-        self.index: dict = {}  # (placeholder, offset) -> index in the device tensor (0 is the enable flag)
+        self.index: dict = {}  # placeholder -> index in the device tensor (0 is the enable flag)
 
     def need(self, node: torch.fx.Node, offset: int, low: int, high: int, what: str) -> None:
-        key = (node, offset)
-        if key in self.index:
-            j = self.index[key] - 1
+        """A reader of ``node + offset`` needs ``low <= node + offset <= high``."""
+        low, high = low - offset, high - offset
+        if node in self.index:
+            j = self.index[node] - 1
             old = self.slots[j]
             self.slots[j] = dataclasses.replace(old, low=max(old.low, low), high=min(old.high, high),
                                                 what=old.what if old.high <= high else what)
         else:
-            self.slots.append(Slot(self.position[node], node.name, low, high, what, offset))
-            self.index[key] = len(self.slots)
+            self.slots.append(Slot(self.position[node], node.name, low, high, what))
+            self.index[node] = len(self.slots)
 
 
 class StepScalars:
@@ -71,11 +75,11 @@ class StepScalars:
 
         All are checked before any is written: a refused call leaves the device tensor as it was.
         """
-        values = [args[slot.arg] + slot.offset for slot in self.slots]
+        values = [args[slot.arg] for slot in self.slots]
         if values != self._last:
             for slot, value in zip(self.slots, values):
                 if not slot.low <= value <= slot.high:
-                    name = slot.name + (f" + {slot.offset}" if slot.offset else "")
+                    name = slot.name
                     raise IndexError(f"piecewise: {slot.what} needs {slot.low} <= {name} <= {slot.high}; got "
                                      f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
                                      f"raises a shape error here too): make the buffer larger or stop before "

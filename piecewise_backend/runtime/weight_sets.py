@@ -11,8 +11,9 @@ address it was captured with, so a replay reads exactly what the caller passed.
 
 Re-capturing costs one capture per size in use (milliseconds per size on the H200); running
 un-graphed costs the launch overhead on every step, so re-capturing wins after a few steps and is
-what happens until the bound. The check is one pass over the graph's parameters/buffers per call
-(a tuple of ``data_ptr`` values compared to the active set's), not one per piece.
+what happens until the bound. The check is one pass over the graph's parameters/buffers per call,
+not one per piece: torch's C++ comparison of their ``data_ptr`` values with the active set's where
+torch has it (CUDA builds), else a tuple of them built in Python and compared.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import dataclasses
 import operator
 
 import torch
+
+from .. import _torch_internals
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -41,6 +44,9 @@ class WeightSets:
 
     def __init__(self, static_indices: tuple[int, ...], limit: int):
         self.limit = limit
+        self._indices = list(static_indices)
+        self._ptrs_equal = _torch_internals.data_ptrs_check() if static_indices else None
+        self._active_ptrs: list = []  # the active addresses, indexed like the args (for the C++ check)
         if not static_indices:
             self.addresses = lambda args: ()
         elif len(static_indices) == 1:
@@ -59,6 +65,12 @@ class WeightSets:
     def all(self) -> list[WeightSet]:
         return list(self._sets.values())
 
+    def unchanged(self, args: tuple) -> bool:
+        """Is every parameter/buffer where the active set has it? (The per-call check.)"""
+        if self._ptrs_equal is not None and self.active_addresses is not None:
+            return self._ptrs_equal(list(args), self._active_ptrs, self._indices)
+        return self.addresses(args) == self.active_addresses
+
     def find(self, addresses: tuple) -> WeightSet | None:
         """The set of these addresses: known, or new while under the bound; None past the bound."""
         found = self._sets.get(addresses)
@@ -68,3 +80,7 @@ class WeightSets:
 
     def activate(self, addresses: tuple, weight_set: WeightSet) -> None:
         self.active_addresses, self.active = addresses, weight_set
+        if self._indices:
+            self._active_ptrs = [None] * (max(self._indices) + 1)
+            for i, address in zip(self._indices, addresses):
+                self._active_ptrs[i] = address
