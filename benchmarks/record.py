@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--fuzz", help="the GPU fuzz run's JSON (python -m tests.fuzz)")
     parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
     parser.add_argument("--hf", help="hf_generate.py's JSON")
+    parser.add_argument("--kernel", help="attention_kernel.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -124,6 +125,8 @@ def main() -> None:
         hf = json.loads(pathlib.Path(args.hf).read_text())
         result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "cache", "batch", "variant"), digest)
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
+    if args.kernel:
+        result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())
         for key in ("capture", "memory"):

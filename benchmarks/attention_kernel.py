@@ -1,0 +1,102 @@
+"""GPU time of the graph-safe decode attention kernel (``decode/kernel.py``) per launch config, vs SDPA.
+
+    python benchmarks/attention_kernel.py --json kernel.json      (a GPU with Triton; ~30 s)
+
+Why: the kernel's launch (keys per block, one warp per program) is a fixed rule by batch and head
+dim (``kernel.plan_splits``); this is the measurement the rule comes from, and the check that it
+still holds. Per case (batch, 16 heads, live keys of a longer buffer, bf16): µs per call, every
+call captured in a CUDA graph (so the time is the GPU's, not the launch's), best of five replays of
+50 calls; ``chosen`` is what the package launches, ``sdpa`` torch's own choice over the live
+prefix, ``b{block}w{warps}`` the kernels launched with that block and warp count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+import torch.nn.functional as F
+
+import _checkout  # noqa: F401  (the checkout on sys.path)
+from piecewise_backend.decode import kernel
+
+CASES = [(1, 300, 336), (8, 300, 336), (32, 300, 336), (32, 1000, 1100), (1, 2000, 4096)]  # batch, live, buffer
+HEADS, HEAD_DIM = 16, 64
+
+
+def graph_us(fn, calls: int = 50) -> float:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = math.inf
+    for _ in range(5):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / calls * 1e3)
+    return round(best, 2)
+
+
+def launch_with(q, keys, values, length, block: int, warps: int):
+    """``kernel.prefix_attention`` with the block and warp count given instead of chosen."""
+    batch, heads, _, dim = q.shape
+    splits = math.ceil(keys.shape[2] / block)
+    partial = torch.empty(batch * heads * splits, dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch * heads * splits, device=q.device, dtype=torch.float32)
+    out = torch.empty_like(q)
+    block_d = kernel.triton_block_d(dim)
+
+    def run():
+        kernel._partial_kernel[(batch * heads, splits)](
+            q, keys, values, length, partial, lse, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+            keys.stride(2), values.stride(0), values.stride(1), values.stride(2), heads, block, splits,
+            1.0 / math.sqrt(dim), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=warps)
+        kernel._merge_kernel[(batch * heads,)](partial, lse, out, length, splits, block, HEAD_DIM=dim,
+                                               BLOCK_D=block_d, BLOCK_S=1 << max(0, splits - 1).bit_length())
+        return out
+    return run
+
+
+def measure(batch: int, live: int, buffer: int) -> dict:
+    q = torch.randn(batch, HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    keys, values = torch.randn(2, batch, HEADS, buffer, HEAD_DIM, device="cuda", dtype=torch.bfloat16).unbind(0)
+    length = torch.tensor([live], device="cuda")
+    want = F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])
+    us = {"sdpa": graph_us(lambda: F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])),
+          "chosen": graph_us(lambda: kernel.prefix_attention(q, keys, values, length))}
+    for block, warps in itertools.product((16, 64, 128), (1, 2, 4)):
+        run = launch_with(q, keys, values, length, block, warps)
+        torch.testing.assert_close(run(), want, atol=2e-2, rtol=2e-2)
+        us[f"b{block}w{warps}"] = graph_us(run)
+    chosen_block = kernel.plan_splits(batch * HEADS, buffer, HEAD_DIM)[0]
+    return {"batch": batch, "heads": HEADS, "head_dim": HEAD_DIM, "live": live, "buffer": buffer,
+            "chosen_block": chosen_block, "us": us}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rows = []
+    for case in CASES:
+        rows.append(measure(*case))
+        print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "cases": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
