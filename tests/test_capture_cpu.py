@@ -16,7 +16,7 @@ from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, Encoder, assert_results_close, compile_with_reference, decode_at_sizes, \
-    graphs_since, last_serial
+    busiest_graph, graphs_since, last_serial
 
 CFG = ToyConfig(layers=2, max_batch=12)
 SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
@@ -242,3 +242,28 @@ def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monke
     assert_results_close(results)
     assert [e.key for e in main.stats.events] == [(2,), (4,), (4,), (2,)]  # captured again, in call order
     assert main.stats.replays > 0
+
+
+def test_a_piece_without_tensor_inputs_is_captured_on_the_graphs_device():
+    """A compute piece fed only by the batch size (``arange(B)`` after the attention) has no tensor to
+    take a device from: it captures on the graph's device (emulated here), not on "cuda"."""
+    torch._dynamo.reset()
+    start = last_serial()
+
+    def step(q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        return out, torch.arange(q.shape[0]) * 2.0
+
+    compiled = torch.compile(step, backend="piecewise", options={"capture_sizes": [2, 4]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch in (2, 3, 4):
+            q, k, v = torch.randn(3, batch, 2, 5, 8).unbind(0)
+            for t in (q, k, v):
+                torch._dynamo.mark_dynamic(t, 0)
+            got, want = compiled(q, k, v), step(q, k, v)
+            torch.testing.assert_close(got, want)
+    graph = busiest_graph(start)
+    assert not [str(w.message) for w in caught if "failed" in str(w.message)]
+    assert graph.stats.captures >= 2 and graph.stats.replays >= 1 and not graph.stats.failed_captures, \
+        graph.stats.summary()

@@ -38,6 +38,7 @@ def test_a_weight_replaced_through_data_gets_graphs_of_its_own_and_one_warning()
     assert torch.equal(old, old_copy)  # and nothing was copied into the old one
     moved = [str(w.message) for w in caught if "new addresses" in str(w.message)]
     assert len(moved) == 1, [str(w.message) for w in caught]
+    assert "layers_modules_0_modules_mlp_modules_up_parameters_weight" in moved[0], moved  # names what moved
     graph = busiest_graph(start)
     assert graph.stats.weight_sets == 2 and graph.stats.replays > 0 and not graph.stats.failed_captures
 
@@ -109,6 +110,7 @@ def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
     graph = busiest_graph(start)
     assert graph.stats.misses[Miss.WEIGHTS_MOVED] == 2  # the third model, twice
     assert "max_weight_sets=2" in graph.stats.miss_details[Miss.WEIGHTS_MOVED]
+    assert "and 3 more" in graph.stats.miss_details[Miss.WEIGHTS_MOVED]  # a new net: its 4 weights moved
     assert len([w for w in caught if "max_weight_sets=2" in str(w.message)]) == 1
 
 

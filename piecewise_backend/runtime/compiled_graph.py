@@ -71,13 +71,14 @@ class CompiledGraph:
         submodule, which stays for inspection); eager submodules are called without
         ``nn.Module.__call__``'s overhead."""
         split_gm = self.plan.split.graph_module
+        device = next((f.device for f in self.plan.inputs.fake_inputs if isinstance(f, torch.Tensor)), None)
         runners = {}
         for spec in self.plan.split.pieces:
             if spec.kind == PieceKind.COMPUTE:
                 self.stats.pieces[spec.name] = PieceStats(spec.name)
                 runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], self.step, self.stats.pieces[spec.name],
                                                  self.config.warmup_runs, self.config.clone_outputs,
-                                                 self.plan.agreement)
+                                                 self.plan.agreement, device)
                 split_gm.__dict__[spec.name] = runners[spec.name]
             else:
                 split_gm.__dict__[spec.name] = getattr(split_gm, spec.name).forward
@@ -155,25 +156,38 @@ class CompiledGraph:
     def _use_weights(self, addresses: tuple, args: tuple) -> bool:
         """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
         False when the set is new and ``max_weight_sets`` sets have graphs already."""
+        moved = self._first_moved(addresses)
         weight_set = self.weights.find(addresses)
         if weight_set is None:
-            detail = (f"parameters/buffers at a new set of addresses; {len(self.weights)} sets have graphs, "
-                      f"max_weight_sets={self.weights.limit}")
+            detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
+                      f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
             self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
             self.warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: calls with these weights "
                                             f"run un-graphed. Raise max_weight_sets, or recompile "
-                                            f"(torch._dynamo.reset()) after replacing the weights for good.")
+                                            f"(torch._dynamo.reset()) after replacing the weights for good; pass "
+                                            f"the same tensor each call where the graph writes one you own (a "
+                                            f"cache).")
             return False
         if weight_set.number > 1:
-            self.warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers are at "
-                                            f"new addresses (load_state_dict(assign=True), .to(), another "
-                                            f"model's weights): capturing graphs for them (set "
-                                            f"{weight_set.number} of at most {self.weights.limit}); the "
-                                            f"tensors captured before are never written.")
+            self.warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers (or inputs "
+                                            f"it writes in place) are at new addresses ({moved}; "
+                                            f"load_state_dict(assign=True), .to(), another model's weights, a new "
+                                            f"cache): capturing graphs for them (set {weight_set.number} of at "
+                                            f"most {self.weights.limit}); the tensors captured before are never "
+                                            f"written.")
         self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
         self._activate(addresses, weight_set)
         self.up_front.use_weights(args)
         return True
+
+    def _first_moved(self, addresses: tuple) -> str:
+        """Which input's address differs from the active set's, for the warnings ("first seen": none active)."""
+        active = self.weights.active_addresses
+        if active is None:
+            return "first seen"
+        names = [n.name for n in self.plan.inputs.graph_module.graph.nodes if n.op == "placeholder"]
+        moved = [names[i] for i, new, old in zip(self.plan.inputs.weight_indices, addresses, active) if new != old]
+        return f"{moved[0]}" + (f" and {len(moved) - 1} more" if len(moved) > 1 else "") if moved else "none"
 
     def _activate(self, addresses: tuple, weight_set: WeightSet) -> None:
         for name, runner in self.runners.items():

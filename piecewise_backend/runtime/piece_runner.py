@@ -126,7 +126,7 @@ class PieceRunner:
     """
 
     def __init__(self, piece: PiecePlan, step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
-                 agreement: RankAgreement | None = None):
+                 agreement: RankAgreement | None = None, device: torch.device | None = None):
         self.name = piece.name
         self.fn = piece.fn
         self.fake_args = piece.fake_args
@@ -140,6 +140,7 @@ class PieceRunner:
         self.warmup_runs = warmup_runs
         self.clone_outputs = clone_outputs
         self.agreement = agreement
+        self.device = device  # the graph's: where a piece without tensor inputs captures
         self.captures: dict[tuple, _Captured] = {}
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(piece.escaping_outputs)  # any output to copy out of the pool
@@ -324,7 +325,8 @@ class PieceRunner:
 
     def _record(self, capture_args: list, checks: list):
         step = self.step
-        device = next((a.device for a in capture_args if isinstance(a, torch.Tensor)), torch.device("cuda"))
+        device = next((a.device for a in capture_args if isinstance(a, torch.Tensor)), None) or self.device \
+            or torch.device("cuda")
         restore = self._warmup_undo(capture_args)
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
