@@ -61,7 +61,8 @@ def launch_with(q, keys, values, length, block: int, warps: int):
     def run():
         kernel._partial_kernel[(batch * heads, splits)](
             q, keys, values, length, partial, lse, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-            keys.stride(2), values.stride(0), values.stride(1), values.stride(2), heads, block, splits,
+            keys.stride(2), values.stride(0), values.stride(1), values.stride(2), heads, heads // keys.shape[1],
+            block, splits,
             1.0 / math.sqrt(dim), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=warps)
         kernel._merge_kernel[(batch * heads,)](partial, lse, out, length, splits, block, HEAD_DIM=dim,
                                                BLOCK_D=block_d, BLOCK_S=1 << max(0, splits - 1).bit_length())

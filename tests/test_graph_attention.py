@@ -19,17 +19,18 @@ from piecewise_backend.decode.graph_attention import prefix_attention
 from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \
-    decode_at_sizes, graphs_since, llama_decode
+    decode_at_sizes, graphs_since, last_serial, llama_decode
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 OPTIONS = {"capture_sizes": [2, 4, 8]}  # graph_attention is the default: these tests also check that it is
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
-def _attention_case(device, buffer_len, batch=3, heads=4, dim=64, dtype=torch.float32):
+def _attention_case(device, buffer_len, batch=3, heads=4, dim=64, dtype=torch.float32, kv_heads=None):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, dim, generator=g).to(device, dtype)
-    k_cache, v_cache = torch.randn(2, batch + 2, heads, buffer_len, dim, generator=g).to(device, dtype).unbind(0)
+    k_cache, v_cache = torch.randn(2, batch + 2, kv_heads or heads, buffer_len, dim,
+                                   generator=g).to(device, dtype).unbind(0)
     return q, k_cache.contiguous(), v_cache.contiguous()
 
 
@@ -38,10 +39,12 @@ PREFIXES = [(20, 1), (20, 7), (20, 20), (300, 1), (300, 65), (300, 300)]  # (buf
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("buffer_len,length", PREFIXES)
-def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, length):
-    q, k_cache, v_cache = _attention_case(device, buffer_len)
-    got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device))
-    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length])
+@pytest.mark.parametrize("kv_heads,scale", [(4, None), (2, None), (1, 0.3)])  # GQA: 2 and 4 query heads per cache head
+def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, length, kv_heads, scale):
+    q, k_cache, v_cache = _attention_case(device, buffer_len, kv_heads=kv_heads)
+    got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device), scale)
+    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length], scale=scale,
+                                          enable_gqa=kv_heads != 4)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -55,10 +58,13 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
     if kernel == "split_key_triton" and not decode_kernel.available():
         pytest.skip("Triton is not installed")
     run = decode_kernel.prefix_attention if kernel == "split_key_triton" else _efficient_prefix_attention
-    for batch, dtype, tol in ((1, torch.float32, 1e-4), (3, torch.bfloat16, 2e-2), (20, torch.bfloat16, 2e-2)):
-        q, k_cache, v_cache = _attention_case("cuda", buffer_len, batch=batch, heads=16, dtype=dtype)
-        got = run(q, k_cache[:batch], v_cache[:batch], torch.tensor([length], device="cuda"))
-        want = F.scaled_dot_product_attention(q, k_cache[:batch, :, :length], v_cache[:batch, :, :length])
+    cases = ((1, torch.float32, 1e-4, 16, None), (3, torch.bfloat16, 2e-2, 16, None), (20, torch.bfloat16, 2e-2, 16, None),
+             (3, torch.bfloat16, 2e-2, 4, 0.3))  # the last: GQA (4 query heads per cache head) and a scale
+    for batch, dtype, tol, kv_heads, scale in cases:
+        q, k_cache, v_cache = _attention_case("cuda", buffer_len, batch=batch, heads=16, dtype=dtype, kv_heads=kv_heads)
+        got = run(q, k_cache[:batch], v_cache[:batch], torch.tensor([length], device="cuda"), scale)
+        want = F.scaled_dot_product_attention(q, k_cache[:batch, :, :length], v_cache[:batch, :, :length],
+                                              scale=scale, enable_gqa=kv_heads != 16)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
@@ -69,8 +75,10 @@ g = torch.Generator().manual_seed(0)
 cases = [(1, 4, 300, 64, 1), (1, 4, 300, 64, 65), (2, 3, 130, 32, 130), (3, 2, 40, 48, 17), (1, 16, 304, 64, 280),
          (4, 16, 200, 64, 131), (20, 16, 150, 32, 150),  # blocks of 64 and of 128 keys
          (20, 4, 150, 128, 99),  # a head dim of 128: blocks of 64 keys
+         (2, 8, 100, 32, 77, 2, 0.3), (3, 4, 70, 64, 70, 1, None),  # GQA (4 query heads per cache head), a scale
          (2, 2, 16 * 300, 32, 16 * 300 - 5), (1, 2, 16 * 300, 32, 200)]  # the last two: chunks of several blocks
-for batch, heads, buffer_len, dim, length in cases:
+for batch, heads, buffer_len, dim, length, *gqa in cases:
+    kv_heads, scale = gqa or (heads, None)
     block, splits, chunk = decode_kernel.plan_splits(batch * heads, buffer_len, dim)
     assert block == decode_kernel.block_size(batch * heads, dim) and chunk % block == 0, (block, chunk)
     assert block * decode_kernel.triton_block_d(dim) <= decode_kernel.TILE
@@ -78,9 +86,10 @@ for batch, heads, buffer_len, dim, length in cases:
     assert chunk == block or buffer_len > block * decode_kernel.MAX_SPLITS
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
-        k, v = torch.randn(2, batch + 1, heads, buffer_len, dim, generator=g).to(dtype)[:, :batch].unbind(0)
-        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]))
-        want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length])
+        k, v = torch.randn(2, batch + 1, kv_heads, buffer_len, dim, generator=g).to(dtype)[:, :batch].unbind(0)
+        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]), scale)
+        want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], scale=scale,
+                                              enable_gqa=kv_heads != heads)
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 print("ok")
 """
@@ -140,3 +149,57 @@ def test_an_attention_length_past_the_buffer_is_refused(one_graph_decode):
     args[position.arg] = CFG.max_seq
     with pytest.raises(IndexError, match=rf"needs 0 <= {position.name} <= 31; got {position.name} = 32.*outside"):
         scalars.refresh(tuple(args))  # the read of the RoPE row and the write at pos refuse first
+
+
+class _GqaDecode(torch.nn.Module):
+    """Decode over a growing cache prefix with fewer cache heads than query heads and a ``scale``:
+    GQA by ``enable_gqa``, ``repeat_interleave`` or transformers' ``repeat_kv``, all taken by the
+    graph-safe kernel, so the step stays one graph."""
+
+    def __init__(self, form: str, heads=4, kv_heads=2, dim=8, rows=4, max_seq=32):
+        super().__init__()
+        self.form, self.heads, self.kv_heads, self.dim = form, heads, kv_heads, dim
+        self.q, self.kv = torch.nn.Linear(16, heads * dim), torch.nn.Linear(16, 2 * kv_heads * dim)
+        self.out = torch.nn.Linear(heads * dim, 16)
+        self.register_buffer("k_cache", torch.zeros(rows, kv_heads, max_seq, dim))
+        self.register_buffer("v_cache", torch.zeros(rows, kv_heads, max_seq, dim))
+
+    def forward(self, x, t: int):
+        B, S, _ = x.shape
+        q = self.q(x).view(B, S, self.heads, self.dim).transpose(1, 2)
+        k, v = (p.view(B, S, self.kv_heads, self.dim).transpose(1, 2) for p in self.kv(x).chunk(2, dim=-1))
+        self.k_cache[:B, :, t:t + S] = k
+        self.v_cache[:B, :, t:t + S] = v
+        keys, values = self.k_cache[:B, :, :t + S], self.v_cache[:B, :, :t + S]
+        groups = self.heads // self.kv_heads
+        if self.form == "repeat_interleave":
+            keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+        elif self.form == "repeat_kv":
+            b, h, n, d = keys.shape
+            keys, values = (x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d) for x in (keys, values))
+        o = F.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=self.form == "enable_gqa")
+        return self.out(o.transpose(1, 2).reshape(B, S, self.heads * self.dim))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("form", ["enable_gqa", "repeat_interleave", "repeat_kv"])
+def test_gqa_and_scale_decode_is_one_graph_and_matches_eager(device, form):
+    import copy
+
+    torch._dynamo.reset()
+    start = last_serial()
+    torch.manual_seed(0)
+    model = _GqaDecode(form).to(device).eval()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    t = 0
+    with torch.no_grad():
+        for batch in (2, 2, 2, 3, 3, 2):
+            x = torch.randn(batch, 1, 16, device=device)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x, t), reference(x, t), atol=1e-5, rtol=1e-5)
+            t += 1
+    torch.testing.assert_close(model.k_cache, reference.k_cache)
+    graph = busiest_graph(start)
+    assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
+    assert list(graph.stats.attention) == ["graph: the graph-safe decode kernel"], graph.stats.attention

@@ -144,7 +144,7 @@ class _ScaledDecode(torch.nn.Module):
         q = self.proj(x).view(B, 1, 2, 4).transpose(1, 2)
         self.k_cache[:B, :, t:t + 1] = q
         keys = self.k_cache[:B, :, :t + 1]
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, scale=0.5).sum(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, dropout_p=0.0, is_causal=True).sum(1)
 
 
 def test_report_names_the_arguments_that_keep_attention_eager():
@@ -158,4 +158,5 @@ def test_report_names_the_arguments_that_keep_attention_eager():
             for t in range(3):
                 compiled(torch.randn(2, 1, 8), t)
     (row,) = piecewise_backend.report(busiest_graph(start)).attention
-    assert row["runs"] == "eager: it passes scale (the graph-safe kernel takes q, k, v alone)", row
+    assert row["runs"] == ("eager: it passes dropout_p, is_causal (the graph-safe kernel takes q, k, v, scale and "
+                           "enable_gqa alone)"), row

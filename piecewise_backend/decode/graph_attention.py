@@ -19,11 +19,13 @@ default was to win at every batch in one interleaved run; it did (code hash ``3c
 1.21×, 1.21× against 1.24×, 1.33×, 1.38×), so it is on by default. ``graph_attention=False``
 gives the eager-attention split back (SDPA's own kernels between the pieces).
 
-Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag, and
-whose keys and values are ``buffer[:B, :, :stop]`` (or ``buffer[:, :, :stop]`` of a buffer with exactly
-the query's batch of rows) of contiguous parameters/buffers with as many
-heads as the query and fewer than 2**31 key rows (the kernel's offsets are int32), ``stop`` being a
-per-step int plus a constant. The length is checked on the host (``1 <= length <= buffer size``).
+Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag (a
+``scale`` and ``enable_gqa`` are taken), and whose keys and values are ``buffer[:B, :, :stop]`` (or
+``buffer[:, :, :stop]`` of a buffer with exactly the query's batch of rows) of contiguous
+parameters/buffers with as many heads as the query, or a divisor of them (``enable_gqa=True``, or
+heads repeated by ``repeat_interleave``/``repeat_kv``: ``repeated_heads.py``), and fewer than 2**31
+key rows (the kernel's offsets are int32), ``stop`` being a per-step int plus a constant. The
+length is checked on the host (``1 <= length <= buffer size``).
 """
 
 from __future__ import annotations
@@ -39,36 +41,42 @@ from .. import _torch_internals
 from .. import graph_facts as facts
 from ..attention_placement import grows_by_cat
 from ..op_names import canonical_op_name
+from .repeated_heads import repeated_heads
 
 
 @torch.library.custom_op("piecewise::prefix_attention", mutates_args=())
-def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     length: torch.Tensor) -> torch.Tensor:
-    """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``."""
+def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``
+    ([B, H / G, L, D]: each group of G query heads reads one cache head, as ``enable_gqa=True``)."""
     batch = q.shape[0]
     keys, values = k_cache[:batch], v_cache[:batch]
     if q.is_cuda:
         from . import kernel  # imports Triton: only when a GPU step needs it
 
         if kernel.available():
-            return kernel.prefix_attention(q, keys, values, length)
-        return _efficient_prefix_attention(q, keys, values, length)
+            return kernel.prefix_attention(q, keys, values, length, scale)
+        return _efficient_prefix_attention(q, keys, values, length, scale)
     mask = (torch.arange(keys.shape[2], device=q.device) < length).view(1, -1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask).contiguous()
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                          enable_gqa=q.shape[1] != keys.shape[1]).contiguous()
 
 
 PREFIX_ATTENTION = torch.ops.piecewise.prefix_attention.default  # what the rewritten graphs call
 
 
-def _efficient_prefix_attention(q, keys, values, length):
+def _efficient_prefix_attention(q, keys, values, length, scale=None):
     """The memory-efficient kernel in its variable-length form, one "sequence" per (row, head).
 
     The kernel honours ``seqlen_k`` (a device tensor) only together with ``cu_seqlens_q/k``: without
     them it attends over the whole buffer (seen on the H200, torch 2.11: wrong logits). The varlen
     form wants every sequence's keys at one stride; a contiguous ``[B, H, L, D]`` cache is exactly
-    ``B * H`` sequences of ``L`` keys each with one head, so the cache is read in place (no copy).
+    ``B * H`` sequences of ``L`` keys each with one head, so the cache is read in place (no copy),
+    but for GQA, whose cache heads are repeated for it (a copy: this path is for CUDA without Triton).
     """
     batch, heads, _, dim = q.shape
+    if keys.shape[1] != heads:
+        keys, values = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (keys, values))
     size = keys.shape[2]
     sequences = batch * heads
     starts = torch.arange(sequences + 1, device=q.device, dtype=torch.int32)
@@ -76,12 +84,12 @@ def _efficient_prefix_attention(q, keys, values, length):
     out = torch.ops.aten._efficient_attention_forward(
         q.reshape(1, sequences, 1, dim), keys.reshape(1, sequences * size, 1, dim),
         values.reshape(1, sequences * size, 1, dim), None, starts, starts * size, 1, size, 0.0, 0, False,
-        seqlen_k=seqlen)[0]
+        scale=scale, seqlen_k=seqlen)[0]
     return out.reshape(batch, heads, 1, dim)
 
 
 @prefix_attention.register_fake
-def _(q, k_cache, v_cache, length):
+def _(q, k_cache, v_cache, length, scale=None):
     return q.new_empty(q.shape)
 
 
@@ -90,9 +98,10 @@ class AttentionSite:
     node: torch.fx.Node  # the SDPA call
     query: torch.fx.Node
     buffers: tuple  # (k buffer placeholder, v buffer placeholder)
-    views: tuple  # the prefix views the call read (erased when unused)
+    views: tuple  # the nodes the call read the caches through, outermost first (erased when unused)
     length: tuple  # (placeholder of the per-step int, constant added to it)
     size: int  # the buffers' length along the sliced dim
+    scale: float | None = None  # SDPA's ``scale`` (None: 1 / sqrt(head_dim))
 
 
 def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset):
@@ -158,10 +167,12 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
     if any(_grown_by_cat(a, roots) for a in node.args[1:3]):
         return ("its keys/values grow by torch.cat every step (a dynamic cache): the cat runs eagerly beside it, "
                 "so the compute pieces replay at every KV length")
-    extra = [k for k, v in node.kwargs.items() if not (k == "is_causal" and v is False)]
-    if len(node.args) != 3 or extra:  # the kernel takes q, k, v alone (no mask, dropout, scale, GQA, causal)
-        return f"it passes {', '.join(extra) or 'more than q, k, v'} (the graph-safe kernel takes q, k, v alone)"
-    views = [_prefix_view(a, static_inputs, placeholders, steps) for a in node.args[1:]]
+    extra = [k for k, v in node.kwargs.items() if not _taken(k, v)]
+    if len(node.args) != 3 or extra:  # the kernel takes q, k, v, a scale and GQA (no mask, dropout, causal)
+        return (f"it passes {', '.join(extra) or 'more than q, k, v'} (the graph-safe kernel takes q, k, v, "
+                f"scale and enable_gqa alone)")
+    kv = [repeated_heads(a) or (a, 1, ()) for a in node.args[1:]]  # GQA written out: read the cache itself
+    views = [_prefix_view(inner, static_inputs, placeholders, steps) for inner, _, _ in kv]
     if None in views or views[0][1] is not views[1][1]:
         return "its keys/values are not cache[:B, :, :t + c] of a parameter/buffer at a per-step t"
     if not all(_same_size(v[2], q.shape[0]) for v in views):
@@ -172,13 +183,28 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
     shapes = [v.shape for v in values]
     if length is None:
         return "its KV length is not a per-step int plus a constant"
-    if shapes[0] != shapes[1] or shapes[0][1] != q.shape[1]:
-        return "keys and values have other head counts than the query (GQA)"
+    gqa = node.kwargs.get("enable_gqa", False)
+    repeats = {groups for _, groups, _ in kv}
+    if len(repeats) > 1:
+        return "its keys and values repeat their heads differently"
+    if repeats != {1}:  # repeat_interleave / repeat_kv: as many heads as the query once repeated
+        fits = shapes[0][1] * repeats.pop() == q.shape[1]
+    else:
+        fits = shapes[0][1] == q.shape[1] or gqa and q.shape[1] % shapes[0][1] == 0
+    if shapes[0] != shapes[1] or not fits:
+        return "keys and values have other head counts than the query, and no enable_gqa=True that fits them"
     if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
         return "a cache is not contiguous"
     if shapes[0][0] * shapes[0][1] * shapes[0][2] >= 2**31:  # key offsets are int32 in the kernel
         return "a cache has 2**31 key rows or more"
-    return AttentionSite(node, query, buffers, tuple(node.args[1:]), length, int(shapes[0][2]))
+    read = tuple(n for inner, _, chain in kv for n in (*chain, inner))  # outermost first: erased in this order
+    return AttentionSite(node, query, buffers, read, length, int(shapes[0][2]), node.kwargs.get("scale"))
+
+
+def _taken(name: str, value) -> bool:
+    """Is this SDPA keyword one the graph-safe kernel does too?"""
+    return (name == "is_causal" and value is False) or (name == "enable_gqa" and isinstance(value, bool)) \
+        or (name == "scale" and (value is None or isinstance(value, (int, float))))
 
 
 def classify_attention(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> dict:
@@ -211,8 +237,7 @@ def mark_attention_paths(graph: torch.fx.Graph, static_inputs: set, steps: froze
 
 def rewrite_attention(site: AttentionSite, length_value: torch.fx.Node, add) -> torch.fx.Node:
     """Replace the SDPA call with ``prefix_attention`` reading ``length_value``; ``add`` builds nodes."""
-    node = add("call_function", PREFIX_ATTENTION, site.query, *site.buffers,
-               length_value)
+    node = add("call_function", PREFIX_ATTENTION, site.query, *site.buffers, length_value, site.scale)
     site.node.replace_all_uses_with(node)
     graph = site.node.graph
     graph.erase_node(site.node)

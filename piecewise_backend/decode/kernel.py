@@ -57,20 +57,21 @@ if triton is not None:
     @triton.jit
     def _partial_kernel(q_ptr, k_ptr, v_ptr, length_ptr, out_ptr, lse_ptr,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-                        heads, chunk, splits, scale,
+                        heads, group, chunk, splits, scale,
                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
         row_head = tl.program_id(0)
         split = tl.program_id(1)
         b = row_head // heads
         h = row_head % heads
+        kv_h = h // group  # GQA: ``group`` query heads read one cache head
         length = tl.load(length_ptr).to(tl.int32)
         start = split * chunk
         end = tl.minimum(start + chunk, length)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         q = tl.load(q_ptr + b * stride_qb + h * stride_qh + d, mask=d_ok, other=0.0).to(tl.float32)
-        k_base = k_ptr + b * stride_kb + h * stride_kh
-        v_base = v_ptr + b * stride_vb + h * stride_vh
+        k_base = k_ptr + b * stride_kb + kv_h * stride_kh
+        v_base = v_ptr + b * stride_vb + kv_h * stride_vh
         running_max = tl.full((), float("-inf"), tl.float32)
         denominator = tl.full((), 0.0, tl.float32)
         acc = tl.zeros((BLOCK_D,), tl.float32)
@@ -139,9 +140,11 @@ def plan_splits(row_heads: int, buffer_len: int, head_dim: int = 64) -> tuple[in
     return block, math.ceil(buffer_len / chunk), chunk
 
 
-def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
-    """Attention of ``q`` [B, H, 1, D] over positions ``[0, length)`` of ``keys``/``values`` [B, H, L, D]
-    (last dim contiguous); ``length`` a one-element integer tensor on the same device, 1 <= length <= L."""
+def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
+                     scale: float | None = None) -> torch.Tensor:
+    """Attention of ``q`` [B, H, 1, D] over positions ``[0, length)`` of ``keys``/``values`` [B, H / G, L, D]
+    (last dim contiguous; each group of G query heads reads one cache head); ``length`` a one-element
+    integer tensor on the same device, 1 <= length <= L; ``scale`` as SDPA's (None: 1 / sqrt(D))."""
     batch, heads, _, dim = q.shape
     buffer_len = keys.shape[2]
     if q.stride(-1) != 1:
@@ -157,7 +160,7 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         q, keys, values, length, partial, lse,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
-        heads, chunk, splits, 1.0 / math.sqrt(dim),
+        heads, heads // keys.shape[1], chunk, splits, 1.0 / math.sqrt(dim) if scale is None else scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=1)
     _merge_kernel[(batch * heads,)](partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits))
