@@ -26,7 +26,7 @@ from . import _torch_internals
 from . import graph_facts as facts
 from .compiling import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
-from .decode import rewrite_decode
+from .decode import kv_written_inputs, rewrite_decode
 from .decode.graph_attention import mark_attention_paths
 from .in_place_writes import written_in_place
 from .kinds import PieceKind
@@ -89,8 +89,9 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     if any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
         _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
-    if config.capture_kv_writes:  # inputs the graph may write itself are used in place (in_place_writes.py)
-        static_names |= written_in_place(gm.graph, facts.step_symbols(gm.graph))
+    if config.capture_kv_writes:  # inputs the graph may write itself are used in place (in_place_writes.py,
+        steps = facts.step_symbols(gm.graph)  # and caches written like buffers: decode/kv_writes.py)
+        static_names |= written_in_place(gm.graph, steps) | kv_written_inputs(gm.graph, steps)
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
     off = graphs_disabled_reason(config, example_inputs)

@@ -104,3 +104,54 @@ def test_static_cache_decode_step_is_one_graph_and_matches_eager(write, gqa, mas
     graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
     assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"]
+
+
+class CallerCacheStep(torch.nn.Module):
+    """Caches the caller passes with more rows than the batch, written through ``cache[:B]``: by
+    ``index_copy_`` at a tensor position (attention over ``cache[:B]`` under a causal mask), or at a
+    Python-int position (attention over the growing prefix ``cache[:B, :, :t + 1]``)."""
+
+    def __init__(self, write: str):
+        super().__init__()
+        self.write = write
+        self.q = torch.nn.Linear(HEADS * DIM, HEADS * DIM)
+        self.kv = torch.nn.Linear(HEADS * DIM, 2 * HEADS * DIM)
+
+    def forward(self, x, k_cache, v_cache, pos):
+        b = x.shape[0]
+        q = self.q(x).view(b, 1, HEADS, DIM).transpose(1, 2)
+        k, v = (t.view(b, 1, HEADS, DIM).transpose(1, 2) for t in self.kv(x).chunk(2, dim=-1))
+        if self.write == "index_copy_":
+            k_cache[:b].index_copy_(2, pos, k)
+            v_cache[:b].index_copy_(2, pos, v)
+            mask = torch.arange(LENGTH) <= pos.view(-1, 1)
+            o = F.scaled_dot_product_attention(q, k_cache[:b], v_cache[:b], attn_mask=mask)
+        else:
+            k_cache[:b, :, pos:pos + 1] = k
+            v_cache[:b, :, pos:pos + 1] = v
+            o = F.scaled_dot_product_attention(q, k_cache[:b, :, :pos + 1], v_cache[:b, :, :pos + 1])
+        return o.transpose(1, 2).reshape(b, 1, HEADS * DIM)
+
+
+@pytest.mark.parametrize("write", ["index_copy_", "python_int_slice"])
+def test_caches_the_caller_passes_are_written_in_the_graph_through_their_first_rows(write):
+    torch._dynamo.reset()
+    start = last_serial()
+    torch.manual_seed(0)
+    model = CallerCacheStep(write).eval()
+    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    shape = (6, HEADS, LENGTH, DIM)  # more rows than any batch below
+    mine, theirs = [torch.zeros(shape), torch.zeros(shape)], [torch.zeros(shape), torch.zeros(shape)]
+    with torch.no_grad():
+        for step, batch in enumerate((2, 2, 3, 3, 2, 4)):
+            x = torch.randn(batch, 1, HEADS * DIM)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            pos = torch.tensor([step]) if write == "index_copy_" else step
+            torch.testing.assert_close(compiled(x, *mine, pos), model(x, *theirs, pos), atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"step {step}: {m}")
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # written in place, only the callers' rows
+    graph = busiest_graph(start)
+    assert graph.stats.num_pieces == 1 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    assert graph.stats.replays > 0 and graph.stats.weight_sets == 1, graph.stats.summary()
+    assert (3,) not in graph.captured and (4,) in graph.captured  # batch 3 replayed the graph of 4, padded

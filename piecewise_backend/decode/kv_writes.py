@@ -27,10 +27,12 @@ a view of a graph input, which Inductor can only do by copying ``cache[:B]`` out
 (the whole cache at batch 32); ``index_put_`` on the buffer writes the new rows in place. And being
 masked, it lets full mode pad and capture up front.
 
-Only writes of these exact shapes are rewritten (a parameter/buffer; plain slices, one that starts
-at a per-step Python int and is as long as the value, the others full or prefixes, written by
-setitem or by ``copy_`` into that view; or ``index_copy_`` on a full/prefix slice of the buffer);
-any other write to the same buffer leaves all of that buffer's writes as they were.
+Only writes of these exact shapes are rewritten: into a parameter/buffer, or into an input whose
+every write has one of them (a cache the caller passes: ``kv_written_inputs``); through plain
+slices, one that starts at a per-step Python int and is as long as the value, the others full or
+prefixes, written by setitem or by ``copy_`` into that view, or by ``index_copy_`` on a full/prefix
+slice of the buffer. Any other write to the same buffer leaves all of that buffer's writes as they
+were.
 """
 
 from __future__ import annotations
@@ -118,6 +120,15 @@ def find_kv_writes(graph: torch.fx.Graph, static_inputs: set[str], steps: frozen
             else:
                 sites.setdefault(buffer, []).append(Site(node, buffer, value, dims))
     return [s for buffer, group in sites.items() if buffer not in disqualified for s in group]
+
+
+def kv_written_inputs(graph: torch.fx.Graph, steps: frozenset) -> frozenset[str]:
+    """Names of the graph inputs whose every write is one of ours: a cache the caller passes in,
+    written like a buffer (``cache[:B].index_copy_(2, pos, k)``, ``cache[:, :, t:t+1] = k``). Used
+    at their own address like the parameters/buffers (``backend._rewrite``), their writes get the
+    same masked rewrite, so they replay in the graph, padded or not."""
+    placeholders = frozenset(n.name for n in facts.placeholders(graph))
+    return frozenset(site.buffer.name for site in find_kv_writes(graph, placeholders, steps))
 
 
 def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
