@@ -124,7 +124,7 @@ class CallerCacheStep(torch.nn.Module):
         if self.write == "index_copy_":
             k_cache[:b].index_copy_(2, pos, k)
             v_cache[:b].index_copy_(2, pos, v)
-            mask = torch.arange(LENGTH) <= pos.view(-1, 1)
+            mask = torch.arange(LENGTH, device=x.device) <= pos.view(-1, 1)
             o = F.scaled_dot_product_attention(q, k_cache[:b], v_cache[:b], attn_mask=mask)
         else:
             k_cache[:b, :, pos:pos + 1] = k
@@ -133,20 +133,21 @@ class CallerCacheStep(torch.nn.Module):
         return o.transpose(1, 2).reshape(b, 1, HEADS * DIM)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("write", ["index_copy_", "python_int_slice"])
-def test_caches_the_caller_passes_are_written_in_the_graph_through_their_first_rows(write):
+def test_caches_the_caller_passes_are_written_in_the_graph_through_their_first_rows(write, device):
     torch._dynamo.reset()
     start = last_serial()
     torch.manual_seed(0)
-    model = CallerCacheStep(write).eval()
+    model = CallerCacheStep(write).to(device).eval()
     compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
     shape = (6, HEADS, LENGTH, DIM)  # more rows than any batch below
-    mine, theirs = [torch.zeros(shape), torch.zeros(shape)], [torch.zeros(shape), torch.zeros(shape)]
+    mine, theirs = ([torch.zeros(shape, device=device) for _ in range(2)] for _ in range(2))
     with torch.no_grad():
         for step, batch in enumerate((2, 2, 3, 3, 2, 4)):
-            x = torch.randn(batch, 1, HEADS * DIM)
+            x = torch.randn(batch, 1, HEADS * DIM, device=device)
             torch._dynamo.maybe_mark_dynamic(x, 0)
-            pos = torch.tensor([step]) if write == "index_copy_" else step
+            pos = torch.tensor([step], device=device) if write == "index_copy_" else step
             torch.testing.assert_close(compiled(x, *mine, pos), model(x, *theirs, pos), atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"step {step}: {m}")
     for a, b in zip(mine, theirs):
