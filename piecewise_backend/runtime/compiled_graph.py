@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from .. import _torch_internals
+from .. import graph_facts as facts
 from ..config import PiecewiseConfig
 from ..kinds import CaptureHow, Miss, PieceKind
 from ..stats import CaptureEvent, GraphStats, PieceStats
@@ -185,7 +186,7 @@ class CompiledGraph:
         active = self.weights.active_addresses
         if active is None:
             return "first seen"
-        names = [n.name for n in self.plan.inputs.graph_module.graph.nodes if n.op == "placeholder"]
+        names = [n.name for n in facts.placeholders(self.plan.inputs.graph_module.graph)]
         moved = [names[i] for i, new, old in zip(self.plan.inputs.weight_indices, addresses, active) if new != old]
         return f"{moved[0]}" + (f" and {len(moved) - 1} more" if len(moved) > 1 else "") if moved else "none"
 
@@ -276,7 +277,7 @@ def _one_piece_forward(gm: torch.fx.GraphModule):
     Why: the generated forward names every input (~190 for a 16-layer model) before the one call
     and clears the names after it; on the H200 machine that was ~5 µs of a decode step's host time.
     """
-    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    placeholders = {node: i for i, node in enumerate(facts.placeholders(gm.graph))}
     body = [n for n in gm.graph.nodes if n.op != "placeholder"]
     if len(body) != 2 or body[0].op != "call_module" or body[0].kwargs or body[1].op != "output":
         return None
