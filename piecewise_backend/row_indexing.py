@@ -104,9 +104,10 @@ class IndexingRules:
         batch_dim = batched[target][0]
         kept_before = 0  # the view's dims before the batch dim: its batch dim from the right
         indexed = self.index_dims(entries, target_value.dim(), where)
+        index_tensor = self.row_local_index_tensor(indexed, batch_dim, where)
         for dim, entry in indexed:
-            if isinstance(entry, torch.fx.Node) and isinstance(facts.example_value(entry), torch.Tensor):
-                raise Refused(f"{where} writes through an index tensor")
+            if entry is index_tensor:
+                continue
             if dim == batch_dim and not (isinstance(entry, slice) and entry == slice(None)):
                 raise Refused(f"{where} writes part of the batch dim ({entry!r})")
             if dim < batch_dim and isinstance(entry, slice):
@@ -114,6 +115,28 @@ class IndexingRules:
         kept_before += sum(1 for e in entries if e is None)  # conservative: Nones only add leading dims
         if value in batched:
             view_ndim = target_value.dim() - sum(1 for _, e in indexed if not isinstance(e, slice)) \
-                + sum(1 for e in entries if e is None)
+                + sum(1 for e in entries if e is None) \
+                + (facts.example_value(index_tensor).dim() if index_tensor is not None else 0)
             if view_ndim - kept_before != facts.example_value(value).dim() - batched[value][0]:
                 raise Refused(f"{where}: the written value's batch dim does not line up with the target's")
+
+    @staticmethod
+    def row_local_index_tensor(indexed: list, batch_dim: int, where: str):
+        """The index tensor of ``x[:, :, idx] = v``, if the write keeps rows apart; else refuses.
+
+        Why it may: an index tensor that is not batched (checked before) picks the same positions
+        in every row, so row ``b`` of ``v`` lands in row ``b`` of ``x`` (transformers' sliding-window
+        cache writes ``new_keys[:, :, index] = key_states`` this way). Only one integer tensor,
+        on a dim after the batch dim: with one advanced index torch keeps its dims in place, so
+        the batch dim stays where it was; two would broadcast together and may move to the front.
+        """
+        tensors = [(dim, e) for dim, e in indexed
+                   if isinstance(e, torch.fx.Node) and isinstance(facts.example_value(e), torch.Tensor)]
+        if not tensors:
+            return None
+        (dim, entry), *more = tensors
+        value = facts.example_value(entry)
+        if more or value.dtype == torch.bool or value.is_floating_point() or dim <= batch_dim:
+            raise Refused(f"{where} writes through an index tensor (one integer index tensor after the batch "
+                          f"dim keeps rows apart; this one is not that)")
+        return entry

@@ -126,7 +126,8 @@ def _returned(node: torch.fx.Node) -> set:
 
 
 def _hoist(graph: torch.fx.Graph, kinds: dict) -> None:
-    """Move pure eager nodes that read only graph inputs and feed compute to the top of the graph."""
+    """Move pure eager nodes that read only graph inputs and feed compute (or, for scalars, only the
+    output) to the top of the graph."""
     roots = facts.alias_roots(graph)
     written_roots = {roots[m] for n in graph.nodes for m in facts.mutated_inputs(n)}
     nodes = list(graph.nodes)
@@ -142,10 +143,13 @@ def _hoist(graph: torch.fx.Graph, kinds: dict) -> None:
         if pure and all(i in available for i in node.all_input_nodes):
             available.add(node)
             candidates.append(node)
-    # Keep only candidates that (transitively) feed a compute node.
+    # Keep only candidates that (transitively) feed a compute node, and Python-scalar arithmetic
+    # that only the output reads (transformers' sliding-window cache returns ``cumulative_length_int
+    # + 1`` from each layer: left in place, each one cut the step's graph in two).
     keep: set = set()
     for node in reversed(candidates):
-        if any(kinds.get(u) == COMPUTE or u in keep for u in node.users):
+        if any(kinds.get(u) == COMPUTE or u in keep for u in node.users) or \
+                facts.is_sym_node(node) and all(u.op == "output" or u in keep for u in node.users):
             keep.add(node)
     anchor = [n for n in nodes if n.op == "placeholder"][-1] if available else None
     for node in candidates:

@@ -98,6 +98,41 @@ def test_row_wise_models_are_still_padded():
     assert graph.captured == {(4,), (8,)}
 
 
+class IndexTensorWrite(torch.nn.Module):
+    """``z[where] = v`` through an index tensor that is not batched: along a feature dim every row
+    writes its own row (transformers' sliding-window cache: ``new_keys[:, :, index] = k``); along
+    the batch dim, or through two index tensors, rows may move."""
+
+    def __init__(self, where: str, width=16):
+        super().__init__()
+        self.lin = torch.nn.Linear(width, width)
+        self.where = where
+        self.register_buffer("idx", torch.tensor([1, 0]))
+
+    def forward(self, x):
+        z = self.lin(x).view(x.shape[0], 4, 4).clone()
+        if self.where == "features":
+            z[:, self.idx] = z[:, :2] * 2
+        elif self.where == "rows":
+            z[self.idx] = 0.5
+        else:  # two index tensors
+            z[:, self.idx, self.idx] = z[:, 0, :2] * 2
+        return z.flatten(1) + 1
+
+
+def test_a_row_local_index_tensor_write_is_padded():
+    graph = _run_at_sizes(IndexTensorWrite("features").eval(), (3, 5, 4))
+    assert "padded up to the next capture size" in graph.stats.padding, graph.stats.padding
+    assert graph.captured == {(4,), (8,)}
+
+
+@pytest.mark.parametrize("where", ["rows", "two"])
+def test_an_index_tensor_write_that_may_move_rows_is_never_padded(where):
+    graph = _run_at_sizes(IndexTensorWrite(where).eval(), (3, 4))
+    assert "writes through an index tensor" in graph.stats.padding, graph.stats.padding
+    assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 1
+
+
 # -- 2. padding never reaches past the rows of a cache read or written by batch row ----------------
 
 

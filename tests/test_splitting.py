@@ -78,3 +78,34 @@ def test_graph_without_split_op_is_one_compute_piece():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     splits, _ = split_only(model, [(torch.randn(3, 8),)])
     assert [p.kind for p in splits[0].pieces] == [COMPUTE]
+
+
+class CountsSteps(torch.nn.Module):
+    """Per layer, a Python int that only the caller reads back (transformers' sliding-window cache
+    returns ``cumulative_length_int + 1`` from every layer this way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+    def forward(self, x, t):
+        counts = []
+        for i, layer in enumerate(self.layers):
+            x = torch.relu(layer(x))
+            counts.append(t + i + 1)
+        return x, counts
+
+
+def test_python_ints_only_returned_do_not_cut_the_compute():
+    model = CountsSteps().eval()
+    calls = [(torch.randn(2, 8), t) for t in (3, 4, 5)]
+    splits, outs = split_only(model, calls)
+    decode = splits[-1]  # dynamic in t
+    assert len(decode.step_symbols) == 1
+    # the int arithmetic runs first, in one eager prologue; the layers are one compute piece
+    assert [p.kind for p in decode.pieces] == [EAGER, COMPUTE]
+    assert all("per-step scalar" in r for r in decode.pieces[0].eager_reasons)
+    for (x, t), (y, counts) in zip(calls, outs):
+        want_y, want_counts = model(x, t)
+        torch.testing.assert_close(y, want_y)
+        assert list(counts) == want_counts
