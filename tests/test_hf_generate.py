@@ -133,6 +133,22 @@ def test_other_architectures_give_eager_tokens(arch, cache):
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+def test_sliding_window_static_cache_decode_step_is_one_compute_piece():
+    """A window not yet full (the usual case: Mistral's is 4,096 tokens): each layer adds to a Python
+    int, ``cumulative_length_int``, which only transformers reads back. Those adds run in the eager
+    prologue; before, each one cut the step's graph (3 compute pieces for 2 layers)."""
+    config, cls = _config("mistral", 2, 64)
+    config.sliding_window = 64
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    start = last_serial()
+    _assert_same_tokens(_generate_both(cls(config).eval(), (1, 3), 8, "cpu", cache_implementation="static"))
+    decode = [g for g in graphs_since(start) if g.stats.replays > 0]
+    assert len(decode) == 2 and all(g.stats.num_compute_pieces == 1 for g in decode), \
+        [g.stats.summary() for g in decode]
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_256_new_tokens_without_a_recompile_warning(cache, caplog):
     torch._dynamo.reset()
