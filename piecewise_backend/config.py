@@ -65,6 +65,11 @@ class PiecewiseConfig:
         max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
             a capture that would exceed it does not happen; that size runs un-graphed.
         max_captured_sizes: cap on the number of sizes captured per compiled graph.
+        max_unreplayed_captures: stop capturing new shapes lazily while this many shapes captured
+            lazily have never been replayed (None: no limit). A size that changes at every call
+            (a KV length inside a compute piece: attention that is not an SDPA call) would
+            otherwise capture a graph per call, slower than eager, the pool growing. Calls at
+            shapes already captured still replay; the warning names the sizes that changed.
         max_weight_sets: how many sets of parameter/buffer addresses a compiled graph keeps graphs
             for. Weights that move (``load_state_dict(assign=True)``, ``.to()``, a second model's
             weights through the same compiled function) get graphs of their own, captured anew;
@@ -100,6 +105,7 @@ class PiecewiseConfig:
     lazy_capture: bool = True
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
+    max_unreplayed_captures: int | None = 8
     max_weight_sets: int = 4
     capture_kv_writes: bool = True
     graph_attention: bool = True
@@ -161,6 +167,9 @@ class PiecewiseConfig:
         for key in ("max_graph_memory", "max_captured_sizes"):
             if options.get(key) is not None:
                 _check_int(options[key], key, minimum=0, hint="or None for no cap")
+        if options.get("max_unreplayed_captures") is not None:
+            _check_int(options["max_unreplayed_captures"], "max_unreplayed_captures", minimum=1,
+                       hint="or None for no limit")
         _check_sizes(options)
         if "eager_sdpa_backends" in options:
             options["eager_sdpa_backends"] = _sdpa_backends(options["eager_sdpa_backends"])

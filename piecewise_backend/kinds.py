@@ -38,6 +38,7 @@ class Miss(_Text):
     NOT_CAPTURED = "not captured and lazy_capture=False"
     OVER_BUDGET = "over the capture budget"
     WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
+    NEVER_REPLAYED = "a new shape while the shapes captured before were never replayed"
 
 
 class CaptureHow(_Text):

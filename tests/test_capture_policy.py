@@ -32,6 +32,7 @@ def test_schemes_always_include_their_max():
     ({"eager_capture_sizes": "some"}, ValueError, "must be a list of capture sizes or 'all'"),
     ({"max_graph_memory": -1}, ValueError, "'max_graph_memory' must be an int >= 0 or None"),
     ({"max_captured_sizes": 1.5}, ValueError, "'max_captured_sizes' must be an int"),
+    ({"max_unreplayed_captures": 0}, ValueError, "'max_unreplayed_captures' must be an int >= 1 or None"),
     ({"mode": "whole"}, ValueError, "'mode' must be one of 'piecewise', 'full'"),
     ({"padding": 1}, TypeError, "'padding' must be True or False"),
 ])
@@ -95,3 +96,18 @@ def test_budget_refuses_by_count_and_by_measured_bytes():
     assert policy.plan((4,), {(2,)}, lambda: 30 * 2**20).capture  # 30 + 60 <= 100
     plan = policy.plan((8,), {(2,), (4,)}, lambda: 90 * 2**20)  # 90 + 120 > 100
     assert plan.miss == Miss.OVER_BUDGET and "90.0 MiB" in plan.detail and "100.0 MiB" in plan.detail
+
+
+def test_new_shapes_stop_being_captured_while_earlier_ones_never_replayed():
+    policy = CapturePolicy(PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "max_unreplayed_captures": 3}),
+                           0, None, symbols=("s0", "s1"))
+    captured = {(2, 5), (2, 6), (2, 7)}
+    assert policy.plan((2, 8), captured, lambda: 0, unreplayed={(2, 6), (2, 7)}).capture  # 2 < 3: captures
+    plan = policy.plan((2, 8), captured, lambda: 0, unreplayed=captured)
+    assert plan.key is None and plan.miss == Miss.NEVER_REPLAYED
+    assert "3 shapes captured were never replayed" in plan.detail and "s1 (5, 6, 7, 8)" in plan.detail
+    assert "s0" not in plan.detail  # the batch did not change
+    assert policy.plan((2, 5), captured, lambda: 0, unreplayed=captured).key == (2, 5)  # captured: replays
+    assert policy.admit((2, 9), captured, lambda: 0).capture  # up front (capture()): not limited
+    unlimited = _policy(capture_sizes=[2, 4, 8], max_unreplayed_captures=None)
+    assert unlimited.plan((2, 8), captured, lambda: 0, unreplayed=captured).capture

@@ -18,6 +18,8 @@ import warnings
 import pytest
 import torch
 
+from piecewise_backend.kinds import Miss
+
 from .helpers import busiest_graph, graphs_since, last_serial
 
 transformers = pytest.importorskip("transformers")
@@ -36,6 +38,9 @@ def _config(arch: str, layers: int, hidden: int):
         return transformers.MistralConfig(sliding_window=5, **common), transformers.MistralForCausalLM
     if arch == "gemma":
         return transformers.GemmaConfig(head_dim=hidden // 8, **common), transformers.GemmaForCausalLM
+    if arch == "gemma2":  # attention written as matmuls by default (attn_implementation="eager")
+        return transformers.Gemma2Config(head_dim=hidden // 8, sliding_window=4, **common), \
+            transformers.Gemma2ForCausalLM
     if arch == "gpt2":
         return (transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
                 transformers.GPT2LMHeadModel)
@@ -146,6 +151,21 @@ def test_sliding_window_static_cache_decode_step_is_one_compute_piece():
     decode = [g for g in graphs_since(start) if g.stats.replays > 0]
     assert len(decode) == 2 and all(g.stats.num_compute_pieces == 1 for g in decode), \
         [g.stats.summary() for g in decode]
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+def test_attention_written_as_matmuls_does_not_capture_a_graph_per_step():
+    """Gemma 2's default attention is matmuls, not SDPA: with the dynamic cache the KV length is in
+    the compute pieces, so every decode step was a new shape, captured and never replayed."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("gemma2", "cpu")
+    assert model.config._attn_implementation == "eager"
+    _assert_same_tokens(_generate_both(model, (1, 3), 16, "cpu", {"max_unreplayed_captures": 4}))
+    graphs = graphs_since(start)
+    stopped = [g for g in graphs if g.stats.misses[Miss.NEVER_REPLAYED]]
+    assert stopped and all(len(g.captured) <= 4 for g in stopped), [g.stats.summary() for g in graphs]
+    assert "never replayed" in stopped[0].stats.summary()
 
 
 @pytest.mark.usefixtures("emulated_graphs")

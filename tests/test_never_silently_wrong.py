@@ -161,6 +161,46 @@ def test_up_front_capture_skips_sizes_past_the_cache_rows():
         graph.capture([8])
 
 
+# -- 3. a size that changes at every call is not captured at every call ---------------------------
+
+
+class MatmulAttention(torch.nn.Module):
+    """Attention written as matmuls over keys that grow every call (transformers'
+    ``attn_implementation="eager"``): the KV length is inside the compute piece."""
+
+    def __init__(self, width=16):
+        super().__init__()
+        self.q = torch.nn.Linear(width, width)
+
+    def forward(self, x, keys):
+        scores = (self.q(x) @ keys.transpose(1, 2)).softmax(-1)
+        return scores @ keys
+
+
+def test_a_kv_length_in_a_compute_piece_stops_capturing_and_says_why(recwarn):
+    torch._dynamo.reset()
+    start = last_serial()
+    net = MatmulAttention().eval()
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES,
+                                                                "max_unreplayed_captures": 4})
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, 16, generator=g)
+    torch._dynamo.mark_dynamic(x, 0)  # the batch pads; the KV length is exact: a shape key per length
+    lengths = list(range(3, 12)) + [5, 6]  # a KV length per call, then two seen before
+    for length in lengths:
+        keys = torch.randn(2, length, 16, generator=g)
+        torch._dynamo.mark_dynamic(keys, 0)
+        torch._dynamo.mark_dynamic(keys, 1)
+        torch.testing.assert_close(compiled(x, keys), net(x, keys), msg=lambda m: f"length {length}: {m}")
+    graph = busiest_graph(start)
+    assert len(graph.captured) == 4  # then no more: each new length would be a graph used once
+    assert graph.stats.misses[Miss.NEVER_REPLAYED] == len(set(lengths)) - len(graph.captured)
+    assert graph.stats.replays > 0  # 5 and 6 came back and replayed their graphs
+    warned = [str(w.message) for w in recwarn if "never replayed" in str(w.message)]
+    assert len(warned) == 1 and 'attn_implementation="sdpa"' in warned[0], warned
+    assert "never replayed" in graph.stats.summary()
+
+
 # -- 4. an output that is a view of an input stays one ---------------------------------------------
 
 

@@ -93,8 +93,10 @@ class CapturePolicy:
     """
 
     def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
-                 agreement: RankAgreement | None = None, row_limit=None):
+                 agreement: RankAgreement | None = None, row_limit=None, symbols: tuple = ()):
         self.sizes = config.sizes
+        self.max_unreplayed = config.max_unreplayed_captures
+        self.symbols = symbols  # the name of each shape-key position, for people
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
         self.no_padding_reason = no_padding_reason if config.padding else "padding=False in options"
@@ -117,14 +119,15 @@ class CapturePolicy:
         p = self.pad_position
         return key[:p] + (size,) + key[p + 1:]
 
-    def plan(self, key: tuple, captured: set, pool_bytes) -> Plan:
-        """The plan for ``key`` given the keys already ``captured``.
+    def plan(self, key: tuple, captured: set, pool_bytes, unreplayed: set = frozenset()) -> Plan:
+        """The plan for ``key`` given the keys already ``captured`` (``unreplayed``: those captured
+        lazily and not replayed since).
 
         ``pool_bytes`` is a callable (measuring the pool costs a snapshot; only done when a memory
         cap exists and a capture is being considered).
         """
         if self.pad_position is None:
-            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes)
+            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes, unreplayed=unreplayed)
         size = key[self.pad_position]
         rows = self.row_limit(key) if self.padding and self.row_limit is not None else None
         bucket = self.bucket(size, rows)
@@ -143,16 +146,32 @@ class CapturePolicy:
                 if larger_key in captured:
                     return Plan(larger_key, size, padded=larger != size)
             return Plan(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
-        return self.admit(bucket_key, captured, pool_bytes, size)
+        return self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
 
-    def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None) -> Plan:
-        """Plan to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing."""
+    def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None,
+              unreplayed: set = frozenset()) -> Plan:
+        """Plan to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing
+        and unless too many shapes captured before were never replayed (:meth:`churn`)."""
         bucket = key[self.pad_position] if self.pad_position is not None else None
         size = bucket if size is None else size
-        refusal = self.budget.refusal(bucket, len(captured), pool_bytes() if self.budget.needs_pool_bytes else 0)
+        churn = self.churn(key, unreplayed)
+        refusal = churn or self.budget.refusal(bucket, len(captured),
+                                               pool_bytes() if self.budget.needs_pool_bytes else 0)
         refusal = agreed_refusal(self.agreement, refusal,
                                  "another rank of this graph's collective group is over its capture budget; "
                                  "every rank skips this size so their collectives stay paired")
         if refusal:
-            return Plan(None, size, miss=Miss.OVER_BUDGET, detail=refusal)
+            return Plan(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal)
         return Plan(key, size, padded=bucket != size, capture=True)
+
+    def churn(self, key: tuple, unreplayed: set) -> str | None:
+        """Why ``key`` is not captured when ``max_unreplayed_captures`` shapes captured lazily were
+        never replayed: a size that changes at every call would capture a graph per call (each
+        capture costs more than the eager run it replaces, and the pool grows). None otherwise."""
+        if self.max_unreplayed is None or len(unreplayed) < self.max_unreplayed:
+            return None
+        keys = sorted(unreplayed | {key})
+        varying = [f"{name} ({', '.join(str(k[i]) for k in keys[:4])}{', ...' if len(keys) > 4 else ''})"
+                   for i, name in enumerate(self.symbols) if len({k[i] for k in keys}) > 1]
+        return (f"{len(unreplayed)} shapes captured were never replayed, max_unreplayed_captures="
+                f"{self.max_unreplayed}; the sizes that keep changing: {'; '.join(varying) or 'none named'}")

@@ -50,11 +50,12 @@ class CompiledGraph:
         self.serial = 0  # numbered by the registry (``registry.py``) once built
         self.stats = _new_stats(plan)
         self.policy = CapturePolicy(config, plan.key.pad_position, plan.padding.refusal, plan.agreement,
-                                    plan.row_limit())
+                                    plan.row_limit(), tuple(map(str, plan.key.symbols)))
         self.step = StepState()
         self.runners = self._wrap_pieces()
         self.captured: set = set()  # shape keys captured (for the active set of weights)
         self._plans: dict[tuple, Plan] = {}
+        self._unreplayed: set = set()  # keys captured lazily and not replayed since (capture_policy.churn)
         self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
         self.up_front = UpFrontCapture(self)
         self._warned: set = set()
@@ -194,19 +195,29 @@ class CompiledGraph:
         for name, runner in self.runners.items():
             runner.captures = weight_set.captures.setdefault(name, {})
             runner.failed_keys = weight_set.failed.setdefault(name, set())
-        self.captured, self._plans = weight_set.captured, weight_set.plans
+        self.captured, self._plans, self._unreplayed = weight_set.captured, weight_set.plans, weight_set.unreplayed
         self.weights.activate(addresses, weight_set)
 
     def _new_plan(self, key: tuple, args: tuple) -> Plan:
         if not self.up_front.remembered:
             self.up_front.remember(key, args)
             self.up_front.capture_eager_sizes()  # before the first output
-        plan = self.policy.plan(key, self.captured, self.pool_bytes)
+        plan = self.policy.plan(key, self.captured, self.pool_bytes, self._unreplayed)
         if plan.miss is not None:
             self.stats.miss_details[plan.miss] = plan.detail
             if plan.miss == Miss.OVER_BUDGET:
                 self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
                                           f"{plan.detail}. Those calls run un-graphed (see stats.summary()).")
+            elif plan.miss == Miss.NEVER_REPLAYED:
+                self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
+                                          f"{plan.detail}. Each would be a graph captured for one call. New "
+                                          f"shapes run compiled, un-graphed; shapes captured still replay. "
+                                          f"Usually a KV length inside a compute piece: attention that is "
+                                          f"not scaled_dot_product_attention (transformers: use "
+                                          f"attn_implementation=\"sdpa\"), or your own attention op not "
+                                          f"in extra_splitting_ops.")
+        elif not plan.capture:
+            self._unreplayed.discard(plan.key)  # a captured key's first replay plans here (plans were cleared)
         if not plan.capture:
             self._plans[key] = plan
         return plan
@@ -245,6 +256,7 @@ class CompiledGraph:
             for captures in weight_set.captures.values():
                 captures.clear()
             weight_set.captured.clear()
+            weight_set.unreplayed.clear()
             weight_set.plans.clear()  # plans of captured keys would replay graphs that are gone
         return released
 
@@ -255,6 +267,8 @@ class CompiledGraph:
     def _record_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int) -> None:
         after = self.pool_bytes()
         self.captured.add(key)
+        if how == CaptureHow.LAZY:
+            self._unreplayed.add(key)
         self._plans.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
         position = self.plan.key.pad_position
         self.policy.budget.record(key[position] if position is not None else None, after - before)

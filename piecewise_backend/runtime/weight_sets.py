@@ -37,6 +37,7 @@ class WeightSet:
     plans: dict = dataclasses.field(default_factory=dict)  # shape key -> Plan
     captures: dict = dataclasses.field(default_factory=dict)  # piece name -> {shape key: captured graph}
     failed: dict = dataclasses.field(default_factory=dict)  # piece name -> shape keys whose capture failed
+    unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
 
 
 class WeightSets:
