@@ -212,10 +212,11 @@ class CompiledGraph:
                 self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
                                           f"{plan.detail}. Each would be a graph captured for one call. New "
                                           f"shapes run compiled, un-graphed; shapes captured still replay. "
-                                          f"Usually a KV length inside a compute piece: attention that is "
-                                          f"not scaled_dot_product_attention (transformers: use "
-                                          f"attn_implementation=\"sdpa\"), or your own attention op not "
-                                          f"in extra_splitting_ops.")
+                                          f"In a decode step, usually a KV length inside a compute piece: "
+                                          f"attention that is not scaled_dot_product_attention (transformers: "
+                                          f"use attn_implementation=\"sdpa\"), or your own attention op not "
+                                          f"in extra_splitting_ops; in a prefill, prompts of many lengths "
+                                          f"(pad them to a few lengths to get graphs).")
         elif not plan.capture:
             self._unreplayed.discard(plan.key)  # a captured key's first replay plans here (plans were cleared)
         if not plan.capture:
