@@ -214,8 +214,9 @@ class CompiledGraph:
                                           f"shapes run compiled, un-graphed; shapes captured still replay. "
                                           f"In a decode step, usually a KV length inside a compute piece: "
                                           f"attention that is not scaled_dot_product_attention (transformers: "
-                                          f"use attn_implementation=\"sdpa\"), or your own attention op not "
-                                          f"in extra_splitting_ops; in a prefill, prompts of many lengths "
+                                          f"attn_implementation=\"sdpa\" where the model supports it, or the "
+                                          f"static cache, whose shapes are fixed), or your own attention op "
+                                          f"not in extra_splitting_ops; in a prefill, prompts of many lengths "
                                           f"(pad them to a few lengths to get graphs).")
         elif not plan.capture:
             self._unreplayed.discard(plan.key)  # a captured key's first replay plans here (plans were cleared)
