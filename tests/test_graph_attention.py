@@ -6,6 +6,7 @@ are checked here against SDPA (marked ``cuda``; the Triton kernel also in Triton
 when Triton is installed) and on a whole model in test_cuda_capture.py.
 """
 
+import copy
 import importlib.util
 import os
 import subprocess
@@ -45,6 +46,22 @@ def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, lengt
     got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device), scale)
     want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length], scale=scale,
                                           enable_gqa=kv_heads != 4)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("per,kind", [("row", "bool"), ("head", "float"), ("row", "float")])
+def test_prefix_attention_takes_a_mask_over_the_buffer(device, per, kind):
+    q, k_cache, v_cache = _attention_case(device, 40, kv_heads=2)
+    g = torch.Generator().manual_seed(1)
+    shape = (5, 1, 1, 40) if per == "row" else (1, 4, 1, 40)  # per row: 2 rows more than the batch
+    mask = torch.rand(shape, generator=g) > 0.4 if kind == "bool" else torch.randn(shape, generator=g)
+    if kind == "bool":
+        mask[0, ..., :9] = False  # left padding
+    mask = mask.to(device)
+    got = prefix_attention(q, k_cache, v_cache, torch.tensor(23, device=device), None, mask)
+    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :23], v_cache[:3, :, :23], enable_gqa=True,
+                                          attn_mask=mask[:3 if per == "row" else 1, ..., :23])
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -90,6 +107,26 @@ for batch, heads, buffer_len, dim, length, *gqa in cases:
         got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]), scale)
         want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], scale=scale,
                                               enable_gqa=kv_heads != heads)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+# SDPA's attn_mask over the whole buffer: per row (left padding: a row's first chunks lose every key;
+# a row that loses all: 0, as SDPA) or per head, bool or additive; one with chunks of several blocks
+for batch, heads, buffer_len, dim, length, per, kind in [
+        (3, 4, 300, 64, 200, "row", "bool"), (2, 4, 130, 32, 130, "head", "float"),
+        (20, 16, 150, 32, 99, "row", "float"), (2, 2, 16 * 300, 32, 16 * 300 - 5, "row", "bool")]:
+    shape = (batch, 1, 1, buffer_len) if per == "row" else (1, heads, 1, buffer_len)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(batch, heads, 1, dim, generator=g).to(dtype)
+        k, v = torch.randn(2, batch, heads, buffer_len, dim, generator=g).to(dtype).unbind(0)
+        if kind == "bool":
+            mask = torch.rand(shape, generator=g) > 0.3
+            mask[0] = False
+            mask[-1, ..., :length // 2] = False
+        else:
+            mask = torch.randn(shape, generator=g)
+            mask = mask.masked_fill(mask < -1, float("-inf")).to(dtype)
+            mask[0, ..., :length // 2] = float("-inf")
+        got = decode_kernel.prefix_attention(q, k, v, torch.tensor([length]), None, mask)
+        want = F.scaled_dot_product_attention(q, k[:, :, :length], v[:, :, :length], attn_mask=mask[..., :length])
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 print("ok")
 """
@@ -181,25 +218,78 @@ class _GqaDecode(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(B, S, self.heads * self.dim))
 
 
+def _decode_beside_eager(model, device, first: int):
+    """Decode steps from position ``first`` at batch sizes 2, 2, 2, 3, 3, 2 (marked dynamic), each
+    compiled step against a deep copy of ``model`` run eagerly; returns that copy."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    with torch.no_grad():
+        for t, batch in enumerate((2, 2, 2, 3, 3, 2), start=first):
+            x = torch.randn(batch, 1, 16, device=device)
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch.testing.assert_close(compiled(x, t), reference(x, t), atol=1e-5, rtol=1e-5)
+    return reference
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 @pytest.mark.parametrize("form", ["enable_gqa", "repeat_interleave", "repeat_kv"])
 def test_gqa_and_scale_decode_is_one_graph_and_matches_eager(device, form):
-    import copy
-
     torch._dynamo.reset()
     start = last_serial()
     torch.manual_seed(0)
     model = _GqaDecode(form).to(device).eval()
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
-    t = 0
-    with torch.no_grad():
-        for batch in (2, 2, 2, 3, 3, 2):
-            x = torch.randn(batch, 1, 16, device=device)
-            torch._dynamo.maybe_mark_dynamic(x, 0)
-            torch.testing.assert_close(compiled(x, t), reference(x, t), atol=1e-5, rtol=1e-5)
-            t += 1
+    reference = _decode_beside_eager(model, device, first=0)
     torch.testing.assert_close(model.k_cache, reference.k_cache)
     graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
     assert list(graph.stats.attention) == ["graph: the graph-safe decode kernel"], graph.stats.attention
+
+
+class _PaddedDecode(torch.nn.Module):
+    """Decode with a padding mask kept in a buffer (left-padded prompts of different lengths) and
+    read up to the keys' length: ``attn_mask=pad_mask[:B, :, :, :t + 1]``. ``built``: the mask is
+    made at each step instead, which the graph-safe kernel cannot read."""
+
+    def __init__(self, built=False, heads=4, dim=8, rows=4, max_seq=32):
+        super().__init__()
+        self.built, self.heads, self.dim = built, heads, dim
+        self.qkv, self.out = torch.nn.Linear(16, 3 * heads * dim), torch.nn.Linear(heads * dim, 16)
+        self.register_buffer("k_cache", torch.zeros(rows, heads, max_seq, dim))
+        self.register_buffer("v_cache", torch.zeros(rows, heads, max_seq, dim))
+        self.register_buffer("pad_mask", torch.ones(rows, 1, 1, max_seq, dtype=torch.bool))
+
+    def forward(self, x, t: int):
+        B, S, _ = x.shape
+        q, k, v = (p.view(B, S, self.heads, self.dim).transpose(1, 2) for p in self.qkv(x).chunk(3, dim=-1))
+        self.k_cache[:B, :, t:t + S] = k
+        self.v_cache[:B, :, t:t + S] = v
+        mask = torch.ones(B, 1, 1, t + S, dtype=torch.bool, device=x.device) if self.built \
+            else self.pad_mask[:B, :, :, :t + S]
+        o = F.scaled_dot_product_attention(q, self.k_cache[:B, :, :t + S], self.v_cache[:B, :, :t + S], attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(B, S, self.heads * self.dim))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_padding_mask_read_up_to_the_keys_length_keeps_the_step_one_graph(device):
+    torch._dynamo.reset()
+    start = last_serial()
+    torch.manual_seed(0)
+    model = _PaddedDecode().to(device).eval()
+    model.pad_mask[0, ..., :3] = False  # rows 0 and 2: prompts left-padded by 3 and 5 positions
+    model.pad_mask[2, ..., :5] = False
+    _decode_beside_eager(model, device, first=5)  # the prompts fill positions 0..4
+    graph = busiest_graph(start)
+    assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
+    assert list(graph.stats.attention) == ["graph: the graph-safe decode kernel"], graph.stats.attention
+
+
+def test_a_mask_built_at_each_step_stays_eager_and_says_why():
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _PaddedDecode(built=True).eval()
+    compiled = torch.compile(model, backend="piecewise", options={"capture_sizes": [2, 4]})
+    with torch.no_grad():
+        for t in (5, 6, 7):
+            torch.testing.assert_close(compiled(torch.ones(2, 1, 16), t), model(torch.ones(2, 1, 16), t))
+    reasons = " ".join(busiest_graph(start).stats.attention)
+    assert "attn_mask is not mask[:B, :, :, :t + c]" in reasons, reasons

@@ -158,5 +158,5 @@ def test_report_names_the_arguments_that_keep_attention_eager():
             for t in range(3):
                 compiled(torch.randn(2, 1, 8), t)
     (row,) = piecewise_backend.report(busiest_graph(start)).attention
-    assert row["runs"] == ("eager: it passes dropout_p, is_causal (the graph-safe kernel takes q, k, v, scale and "
-                           "enable_gqa alone)"), row
+    assert row["runs"] == ("eager: it passes dropout_p, is_causal (the graph-safe kernel takes q, k, v, attn_mask, "
+                           "scale and enable_gqa alone)"), row

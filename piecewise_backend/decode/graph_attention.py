@@ -19,8 +19,10 @@ default was to win at every batch in one interleaved run; it did (code hash ``3c
 1.21×, 1.21× against 1.24×, 1.33×, 1.38×), so it is on by default. ``graph_attention=False``
 gives the eager-attention split back (SDPA's own kernels between the pieces).
 
-Rewritten: SDPA calls whose query has one position, with no mask, dropout or causal flag (a
-``scale`` and ``enable_gqa`` are taken), and whose keys and values are ``buffer[:B, :, :stop]`` (or
+Rewritten: SDPA calls whose query has one position, with no dropout or causal flag (a ``scale``
+and ``enable_gqa`` are taken, and an ``attn_mask`` that is ``mask[:B, :, :, :stop]`` of a
+parameter/buffer with the keys' ``stop``: a padding mask kept in a buffer; ``_mask_view``), and
+whose keys and values are ``buffer[:B, :, :stop]`` (or
 ``buffer[:, :, :stop]`` of a buffer with exactly the query's batch of rows) of contiguous
 parameters/buffers with as many heads as the query, or a divisor of them (``enable_gqa=True``, or
 heads repeated by ``repeat_interleave``/``repeat_kv``: ``repeated_heads.py``), and fewer than 2**31
@@ -46,19 +48,37 @@ from .repeated_heads import repeated_heads
 
 @torch.library.custom_op("piecewise::prefix_attention", mutates_args=())
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``
-    ([B, H / G, L, D]: each group of G query heads reads one cache head, as ``enable_gqa=True``)."""
+    ([B, H / G, L, D]: each group of G query heads reads one cache head, as ``enable_gqa=True``);
+    ``mask``: SDPA's ``attn_mask`` over the whole buffer, [B or more rows, or 1; H or 1; 1; L] (its
+    rows past B and its positions past the length are not read)."""
     batch = q.shape[0]
     keys, values = k_cache[:batch], v_cache[:batch]
+    if mask is not None and mask.shape[0] != 1:
+        mask = mask[:batch]
     if q.is_cuda:
         from . import kernel  # imports Triton: only when a GPU step needs it
 
         if kernel.available():
-            return kernel.prefix_attention(q, keys, values, length, scale)
-        return _efficient_prefix_attention(q, keys, values, length, scale)
-    mask = (torch.arange(keys.shape[2], device=q.device) < length).view(1, -1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+            return kernel.prefix_attention(q, keys, values, length, scale, mask)
+        if mask is None:
+            return _efficient_prefix_attention(q, keys, values, length, scale)
+    return _masked_prefix_attention(q, keys, values, length, scale, mask)
+
+
+def _masked_prefix_attention(q, keys, values, length, scale=None, mask=None):
+    """SDPA over the whole buffer, the positions past ``length`` masked out: the CPU path (and the
+    CUDA one for a caller's mask without Triton). Fixed shapes, so it can be captured; it reads the
+    whole buffer, where the kernels stop at the length."""
+    live = torch.arange(keys.shape[2], device=q.device) < length
+    if mask is None:
+        combined = live.view(1, -1)
+    elif mask.dtype == torch.bool:
+        combined = mask & live
+    else:
+        combined = mask.masked_fill(~live, float("-inf"))
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=combined, scale=scale,
                                           enable_gqa=q.shape[1] != keys.shape[1]).contiguous()
 
 
@@ -89,7 +109,7 @@ def _efficient_prefix_attention(q, keys, values, length, scale=None):
 
 
 @prefix_attention.register_fake
-def _(q, k_cache, v_cache, length, scale=None):
+def _(q, k_cache, v_cache, length, scale=None, mask=None):
     return q.new_empty(q.shape)
 
 
@@ -102,19 +122,29 @@ class AttentionSite:
     length: tuple  # (placeholder of the per-step int, constant added to it)
     size: int  # the buffers' length along the sliced dim
     scale: float | None = None  # SDPA's ``scale`` (None: 1 / sqrt(head_dim))
+    mask: torch.fx.Node | None = None  # the buffer SDPA's ``attn_mask`` is a prefix of (``_mask_view``)
+
+
+def _sliced_buffer(node, static_inputs: set, dims: int):
+    """(buffer, index) if ``node`` is ``buffer[s0, ..., s{dims-1}]``, every entry a slice, of a
+    parameter/buffer; None otherwise."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    buffer, index = node.args
+    if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_inputs
+            and isinstance(index, tuple) and len(index) == dims and all(isinstance(s, slice) for s in index)):
+        return None
+    return buffer, index
 
 
 def _prefix_view(node, static_inputs: set, placeholders: dict, steps: frozenset):
     """(buffer, stop, rows) if ``node`` is ``buffer[:rows, :, :stop]`` with a per-step ``stop``; ``rows``
     is the buffer's own row count for a view of every row (``buffer[:, :, :stop]``: a cache sized to
     the batch)."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+    sliced = _sliced_buffer(node, static_inputs, 3)
+    if sliced is None:
         return None
-    buffer, index = node.args
-    if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_inputs
-            and isinstance(index, tuple) and len(index) == 3 and all(isinstance(s, slice) for s in index)):
-        return None
-    rows, heads, positions = index
+    buffer, (rows, heads, positions) = sliced
     if rows.start is not None or rows.step is not None or heads != slice(None) or positions.start is not None \
             or positions.step is not None or not isinstance(positions.stop, torch.fx.Node):
         return None
@@ -167,10 +197,11 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
     if any(_grown_by_cat(a, roots) for a in node.args[1:3]):
         return ("its keys/values grow by torch.cat every step (a dynamic cache): the cat runs eagerly beside it, "
                 "so the compute pieces replay at every KV length")
-    extra = [k for k, v in node.kwargs.items() if not _taken(k, v)]
-    if len(node.args) != 3 or extra:  # the kernel takes q, k, v, a scale and GQA (no mask, dropout, causal)
-        return (f"it passes {', '.join(extra) or 'more than q, k, v'} (the graph-safe kernel takes q, k, v, "
-                f"scale and enable_gqa alone)")
+    extra = [k for k, v in node.kwargs.items() if k != "attn_mask" and not _taken(k, v)]
+    if len(node.args) not in (3, 4) or extra:  # the kernel takes q, k, v, a mask, a scale and GQA
+        return (f"it passes {', '.join(extra) or 'more than q, k, v, attn_mask'} (the graph-safe kernel takes "
+                f"q, k, v, attn_mask, scale and enable_gqa alone)")
+    mask_arg = node.args[3] if len(node.args) == 4 else node.kwargs.get("attn_mask")
     kv = [repeated_heads(a) or (a, 1, ()) for a in node.args[1:]]  # GQA written out: read the cache itself
     views = [_prefix_view(inner, static_inputs, placeholders, steps) for inner, _, _ in kv]
     if None in views or views[0][1] is not views[1][1]:
@@ -197,8 +228,38 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
         return "a cache is not contiguous"
     if shapes[0][0] * shapes[0][1] * shapes[0][2] >= 2**31:  # key offsets are int32 in the kernel
         return "a cache has 2**31 key rows or more"
+    mask = None
+    if mask_arg is not None:
+        mask = _mask_view(mask_arg, static_inputs, views[0][1], q, int(shapes[0][2]))
+        if isinstance(mask, str):
+            return mask
     read = tuple(n for inner, _, chain in kv for n in (*chain, inner))  # outermost first: erased in this order
-    return AttentionSite(node, query, buffers, read, length, int(shapes[0][2]), node.kwargs.get("scale"))
+    return AttentionSite(node, query, buffers, read + ((mask_arg,) if mask else ()), length, int(shapes[0][2]),
+                         node.kwargs.get("scale"), mask)
+
+
+def _mask_view(node, static_inputs: set, stop: torch.fx.Node, q, size: int):
+    """The buffer an ``attn_mask`` of ``mask[:B, :, :, :stop]`` reads (``stop``: the keys' own), or why
+    it stays eager. The buffer: a parameter/buffer [rows, heads or 1, 1, the caches' length], bool or
+    the query's dtype; its rows the query's batch, every row of a buffer of that many, or one for all."""
+    why = ("its attn_mask is not mask[:B, :, :, :t + c] of a parameter/buffer [B or 1, heads or 1, 1, cache "
+           "length] read up to the keys' length (a mask built at each step stays eager)")
+    sliced = _sliced_buffer(node, static_inputs, 4)
+    if sliced is None:
+        return why
+    buffer, (rows, heads, queries, positions) = sliced
+    value = facts.example_value(buffer)
+    if heads != slice(None) or queries != slice(None) or rows.start is not None or rows.step is not None \
+            or positions.start is not None or positions.step is not None or positions.stop is not stop:
+        return why
+    if value.dim() != 4 or value.shape[2] != 1 or value.shape[1] not in (1, q.shape[1]) or value.shape[3] != size \
+            or not (value.dtype == torch.bool or value.dtype == q.dtype):
+        return why
+    if rows.stop is None and value.shape[0] != 1 and not _same_size(value.shape[0], q.shape[0]):
+        return why
+    if rows.stop is not None and not _same_size(rows.stop, q.shape[0]):
+        return why
+    return buffer
 
 
 def _taken(name: str, value) -> bool:
@@ -237,7 +298,7 @@ def mark_attention_paths(graph: torch.fx.Graph, static_inputs: set, steps: froze
 
 def rewrite_attention(site: AttentionSite, length_value: torch.fx.Node, add) -> torch.fx.Node:
     """Replace the SDPA call with ``prefix_attention`` reading ``length_value``; ``add`` builds nodes."""
-    node = add("call_function", PREFIX_ATTENTION, site.query, *site.buffers, length_value, site.scale)
+    node = add("call_function", PREFIX_ATTENTION, site.query, *site.buffers, length_value, site.scale, site.mask)
     site.node.replace_all_uses_with(node)
     graph = site.node.graph
     graph.erase_node(site.node)

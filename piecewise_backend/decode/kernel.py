@@ -55,10 +55,11 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _partial_kernel(q_ptr, k_ptr, v_ptr, length_ptr, out_ptr, lse_ptr,
+    def _partial_kernel(q_ptr, k_ptr, v_ptr, length_ptr, out_ptr, lse_ptr, mask_ptr,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
-                        heads, group, chunk, splits, scale,
-                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_mb, stride_mh, stride_ml, heads, group, chunk, splits, scale,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr):
         row_head = tl.program_id(0)
         split = tl.program_id(1)
         b = row_head // heads
@@ -82,9 +83,20 @@ if triton is not None:
             both = n_ok[:, None] & d_ok[None, :]
             k = tl.load(k_base + n[:, None] * stride_kl + d[None, :], mask=both, other=0.0).to(tl.float32)
             scores = tl.where(n_ok, tl.sum(k * q[None, :], axis=1) * scale, float("-inf"))
-            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-            weights = tl.exp(scores - new_max)
-            rescale = tl.exp(running_max - new_max)
+            if HAS_MASK:  # SDPA's attn_mask: False (or -inf) drops a key; a block may lose every key
+                m = tl.load(mask_ptr + b * stride_mb + h * stride_mh + n * stride_ml, mask=n_ok, other=0)
+                if MASK_BOOL:
+                    scores = tl.where(m != 0, scores, float("-inf"))
+                else:
+                    scores = scores + m.to(tl.float32)
+                new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+                finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # exp(-inf - -inf) is NaN
+                weights = tl.exp(scores - finite_max)
+                rescale = tl.exp(running_max - finite_max)
+            else:
+                new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+                weights = tl.exp(scores - new_max)
+                rescale = tl.exp(running_max - new_max)
             v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=both, other=0.0).to(tl.float32)
             acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
             denominator = denominator * rescale + tl.sum(weights, axis=0)
@@ -106,8 +118,10 @@ if triton is not None:
         s = tl.arange(0, BLOCK_S)
         s_ok = s < tl.minimum(splits, (length + chunk - 1) // chunk)  # the live chunks
         lse = tl.load(lse_ptr + row_head * splits + s, mask=s_ok, other=float("-inf"))
-        weights = tl.exp(lse - tl.max(lse, axis=0))  # chunk 0 always holds key 0: the max is finite
-        weights = weights / tl.sum(weights, axis=0)
+        top = tl.max(lse, axis=0)  # -inf only when a mask dropped every key: the output is 0, as SDPA's
+        weights = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+        total = tl.sum(weights, axis=0)
+        weights = weights / tl.where(total > 0.0, total, 1.0)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         part = tl.load(part_ptr + (row_head * splits + s[:, None]) * HEAD_DIM + d[None, :],
@@ -141,10 +155,11 @@ def plan_splits(row_heads: int, buffer_len: int, head_dim: int = 64) -> tuple[in
 
 
 def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` [B, H, 1, D] over positions ``[0, length)`` of ``keys``/``values`` [B, H / G, L, D]
     (last dim contiguous; each group of G query heads reads one cache head); ``length`` a one-element
-    integer tensor on the same device, 1 <= length <= L; ``scale`` as SDPA's (None: 1 / sqrt(D))."""
+    integer tensor on the same device, 1 <= length <= L; ``scale`` as SDPA's (None: 1 / sqrt(D));
+    ``mask`` SDPA's ``attn_mask`` [B or 1, H or 1, 1, L], bool or additive (a row it drops whole: 0)."""
     batch, heads, _, dim = q.shape
     buffer_len = keys.shape[2]
     if q.stride(-1) != 1:
@@ -156,12 +171,15 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     lse = torch.empty(batch * heads * splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, heads, 1, dim, device=q.device, dtype=q.dtype)
     block_d = triton_block_d(dim)
+    # a broadcast dim of the mask (size 1) is read at stride 0; without a mask, q stands in (never read)
+    mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 1, 3)] if mask is not None else [0, 0, 0]
     _partial_kernel[(batch * heads, splits)](
-        q, keys, values, length, partial, lse,
+        q, keys, values, length, partial, lse, mask if mask is not None else q,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), *mask_strides,
         heads, heads // keys.shape[1], chunk, splits, 1.0 / math.sqrt(dim) if scale is None else scale,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=1)
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, HAS_MASK=mask is not None,
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=1)
     _merge_kernel[(batch * heads,)](partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits))
     return out

@@ -113,7 +113,8 @@ def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node,
             length = add("call_function", operator.getitem, scalars, slot_of[position])
             lengths[site.length] = add("call_function", operator.add, length, constant) if constant else length
         attention = rewrite_attention(site, lengths[site.length], add)
-        row_access[attention] = tuple((buffer, 0) for buffer in site.buffers)  # it reads ``cache[:B]``
+        row_access[attention] = tuple((buffer, 0) for buffer in site.buffers) + (  # it reads ``cache[:B]``
+            ((site.mask, 0),) if site.mask is not None and facts.example_value(site.mask).shape[0] != 1 else ())
     return row_access
 
 
