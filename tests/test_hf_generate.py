@@ -54,10 +54,10 @@ def _model(arch: str, device: str, layers: int = 2, hidden: int = 64):
 
 
 def _generate(model, ids, new_tokens: int, **kwargs):
+    kwargs.setdefault("attention_mask", torch.ones_like(ids))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0, **kwargs)
+        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
 
 
 def _generate_both(model, batches, new_tokens, device, options=None, **kwargs):
@@ -135,6 +135,25 @@ def test_other_architectures_give_eager_tokens(arch, cache):
     else:
         decode = busiest_graph(start)
         assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_prompts_of_different_lengths_give_eager_tokens(cache):
+    """Batched prompts of different lengths, padded on the left (the attention mask has zeros): the
+    mask reaches attention each step, and the decode steps replay."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("llama", "cpu")
+    ids = torch.randint(1, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = mask[2, :2] = 0
+    ids[mask == 0] = 0
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    theirs = _generate(model, ids, 12, attention_mask=mask, **kwargs)
+    model.forward = torch.compile(model.forward, backend="piecewise")
+    assert torch.equal(_generate(model, ids, 12, attention_mask=mask, **kwargs), theirs)
+    assert sum(g.stats.replays for g in graphs_since(start)) > 0
 
 
 @pytest.mark.usefixtures("emulated_graphs")
