@@ -52,7 +52,7 @@ SPLIT_ALONG = {"split": (2, 0), "chunk": (2, 0), "unbind": (1, 0), "split_with_s
 RESHAPES = frozenset("view reshape view_as reshape_as flatten unflatten _unsafe_view view_as_complex "
                       "view_as_real".split())
 MOVES = frozenset("unsqueeze squeeze transpose permute movedim moveaxis swapaxes swapdims t T mT expand "
-                   "expand_as broadcast_to".split())
+                   "expand_as broadcast_to numpy_T".split())  # numpy_T: how torch 2.14's Dynamo records x.T
 METADATA = frozenset("size stride dim numel getattr sym_size sym_stride sym_numel sym_storage_offset "
                       "storage_offset is_contiguous _assert_tensor_metadata _assert_scalar "
                       "_set_grad_enabled _enter_autocast _exit_autocast".split())
