@@ -230,7 +230,7 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
         return "a cache has 2**31 key rows or more"
     mask = None
     if mask_arg is not None:
-        mask = _mask_view(mask_arg, static_inputs, views[0][1], q, int(shapes[0][2]))
+        mask = _mask_view(mask_arg, static_inputs, placeholders, length, q, int(shapes[0][2]))
         if isinstance(mask, str):
             return mask
     read = tuple(n for inner, _, chain in kv for n in (*chain, inner))  # outermost first: erased in this order
@@ -238,9 +238,9 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
                          node.kwargs.get("scale"), mask)
 
 
-def _mask_view(node, static_inputs: set, stop: torch.fx.Node, q, size: int):
-    """The buffer an ``attn_mask`` of ``mask[:B, :, :, :stop]`` reads (``stop``: the keys' own), or why
-    it stays eager. The buffer: a parameter/buffer [rows, heads or 1, 1, the caches' length], bool or
+def _mask_view(node, static_inputs: set, placeholders: dict, length: tuple, q, size: int):
+    """The buffer an ``attn_mask`` of ``mask[:B, :, :, :stop]`` reads (``stop``: the keys' ``length``,
+    a per-step int plus a constant), or why it stays eager. The buffer: a parameter/buffer [rows, heads or 1, 1, the caches' length], bool or
     the query's dtype; its rows the query's batch, every row of a buffer of that many, or one for all."""
     why = ("its attn_mask is not mask[:B, :, :, :t + c] of a parameter/buffer [B or 1, heads or 1, 1, cache "
            "length] read up to the keys' length (a mask built at each step stays eager)")
@@ -250,7 +250,8 @@ def _mask_view(node, static_inputs: set, stop: torch.fx.Node, q, size: int):
     buffer, (rows, heads, queries, positions) = sliced
     value = facts.example_value(buffer)
     if heads != slice(None) or queries != slice(None) or rows.start is not None or rows.step is not None \
-            or positions.start is not None or positions.step is not None or positions.stop is not stop:
+            or positions.start is not None or positions.step is not None \
+            or not isinstance(positions.stop, torch.fx.Node) or _length(positions.stop, placeholders) != length:
         return why
     if value.dim() != 4 or value.shape[2] != 1 or value.shape[1] not in (1, q.shape[1]) or value.shape[3] != size \
             or not (value.dtype == torch.bool or value.dtype == q.dtype):

@@ -89,14 +89,10 @@ if triton is not None:
                     scores = tl.where(m != 0, scores, float("-inf"))
                 else:
                     scores = scores + m.to(tl.float32)
-                new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-                finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # exp(-inf - -inf) is NaN
-                weights = tl.exp(scores - finite_max)
-                rescale = tl.exp(running_max - finite_max)
-            else:
-                new_max = tl.maximum(running_max, tl.max(scores, axis=0))
-                weights = tl.exp(scores - new_max)
-                rescale = tl.exp(running_max - new_max)
+            new_max = tl.maximum(running_max, tl.max(scores, axis=0))
+            finite_max = tl.where(new_max == float("-inf"), 0.0, new_max)  # a block the mask emptied: no NaN
+            weights = tl.exp(scores - finite_max)
+            rescale = tl.exp(running_max - finite_max)
             v = tl.load(v_base + n[:, None] * stride_vl + d[None, :], mask=both, other=0.0).to(tl.float32)
             acc = acc * rescale + tl.sum(weights[:, None] * v, axis=0)
             denominator = denominator * rescale + tl.sum(weights, axis=0)
