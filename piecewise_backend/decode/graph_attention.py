@@ -240,8 +240,9 @@ def _site_or_reason(node, static_inputs: set, placeholders: dict, steps: frozens
 
 def _mask_view(node, static_inputs: set, placeholders: dict, length: tuple, q, size: int):
     """The buffer an ``attn_mask`` of ``mask[:B, :, :, :stop]`` reads (``stop``: the keys' ``length``,
-    a per-step int plus a constant), or why it stays eager. The buffer: a parameter/buffer [rows, heads or 1, 1, the caches' length], bool or
-    the query's dtype; its rows the query's batch, every row of a buffer of that many, or one for all."""
+    a per-step int plus a constant), or why it stays eager. The buffer: a parameter/buffer [rows,
+    heads or 1, 1, the caches' length], bool or the query's dtype; the rows read are the query's
+    batch (``[:B]``, or every row of a buffer of that many), or one row for all."""
     why = ("its attn_mask is not mask[:B, :, :, :t + c] of a parameter/buffer [B or 1, heads or 1, 1, cache "
            "length] read up to the keys' length (a mask built at each step stays eager)")
     sliced = _sliced_buffer(node, static_inputs, 4)
@@ -256,9 +257,8 @@ def _mask_view(node, static_inputs: set, placeholders: dict, length: tuple, q, s
     if value.dim() != 4 or value.shape[2] != 1 or value.shape[1] not in (1, q.shape[1]) or value.shape[3] != size \
             or not (value.dtype == torch.bool or value.dtype == q.dtype):
         return why
-    if rows.stop is None and value.shape[0] != 1 and not _same_size(value.shape[0], q.shape[0]):
-        return why
-    if rows.stop is not None and not _same_size(rows.stop, q.shape[0]):
+    broadcast = rows.stop is None and value.shape[0] == 1
+    if not (broadcast or _same_size(value.shape[0] if rows.stop is None else rows.stop, q.shape[0])):
         return why
     return buffer
 

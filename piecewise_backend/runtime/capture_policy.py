@@ -127,7 +127,7 @@ class CapturePolicy:
         cap exists and a capture is being considered).
         """
         if self.pad_position is None:
-            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes, unreplayed=unreplayed)
+            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes, None, unreplayed)
         size = key[self.pad_position]
         rows = self.row_limit(key) if self.padding and self.row_limit is not None else None
         bucket = self.bucket(size, rows)
