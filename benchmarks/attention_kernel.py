@@ -51,23 +51,8 @@ def graph_us(fn, calls: int = 50) -> float:
 
 def launch_with(q, keys, values, length, block: int, warps: int):
     """``kernel.prefix_attention`` with the block and warp count given instead of chosen."""
-    batch, heads, _, dim = q.shape
     splits = math.ceil(keys.shape[2] / block)
-    partial = torch.empty(batch * heads * splits, dim, device=q.device, dtype=torch.float32)
-    lse = torch.empty(batch * heads * splits, device=q.device, dtype=torch.float32)
-    out = torch.empty_like(q)
-    block_d = kernel.triton_block_d(dim)
-
-    def run():
-        kernel._partial_kernel[(batch * heads, splits)](
-            q, keys, values, length, partial, lse, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-            keys.stride(2), values.stride(0), values.stride(1), values.stride(2), heads, heads // keys.shape[1],
-            block, splits,
-            1.0 / math.sqrt(dim), HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, num_warps=warps)
-        kernel._merge_kernel[(batch * heads,)](partial, lse, out, length, splits, block, HEAD_DIM=dim,
-                                               BLOCK_D=block_d, BLOCK_S=1 << max(0, splits - 1).bit_length())
-        return out
-    return run
+    return lambda: kernel.launch(q, keys, values, length, None, None, block, splits, block, warps)
 
 
 def measure(batch: int, live: int, buffer: int) -> dict:

@@ -158,8 +158,11 @@ def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = 
 def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
     """Where to read each needed symbol at call time, and the needed symbols no input provides.
 
-    The batch is the first input tensor's first dynamic dim: Dynamo passes symbols as SymInt inputs
+    The batch is the first input tensor's dynamic leading dim: Dynamo passes symbols as SymInt inputs
     too (often before the tensors), so the key's own order does not say which symbol is the batch.
+    A dynamic dim further in (a cache's or a mask's KV length) is not rows: taken for the batch, a
+    window cache's fixed length (5) was refused padding and, not being a capture size, ran un-graphed
+    at every step. Without a dynamic leading dim every shape is captured as it comes.
     """
     sources, symbols = [], []
     for i, value in enumerate(fake_inputs):
@@ -170,9 +173,9 @@ def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
             if isinstance(size, torch.SymInt) and sym.is_Symbol and sym in needed and sym not in symbols:
                 symbols.append(sym)
                 sources.append((i, dim))
-    pad_position = next((symbols.index(sym_expr(size)) for value in fake_inputs if isinstance(value, torch.Tensor)
-                         for size in value.shape if isinstance(size, torch.SymInt) and sym_expr(size) in symbols),
-                        None)
+    leading = (value.shape[0] for value in fake_inputs if isinstance(value, torch.Tensor) and value.dim() > 0)
+    pad_position = next((symbols.index(sym_expr(size)) for size in leading
+                         if isinstance(size, torch.SymInt) and sym_expr(size) in symbols), None)
     return ShapeKey(tuple(sources), tuple(symbols), pad_position), needed - set(symbols)
 
 

@@ -138,6 +138,22 @@ def test_other_architectures_give_eager_tokens(arch, cache):
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+def test_static_cache_after_dynamic_cache_in_one_process_replays():
+    """A user's order: ``generate()`` with the dynamic cache, then with the static one, no Dynamo reset.
+    Dynamo has seen the window's cache grow, so the static window's length (5) comes as a symbol; taken
+    for the batch (the first dynamic dim of the first input), it was refused padding and, not being a
+    capture size, every decode step ran un-graphed."""
+    torch._dynamo.reset()
+    model = _model("mistral", "cpu")
+    _assert_same_tokens(_generate_both(model, (1,), 16, "cpu"))
+    start = last_serial()
+    _assert_same_tokens(_generate_both(model, (1,), 16, "cpu", cache_implementation="static"))
+    graphs = graphs_since(start)
+    assert sum(g.stats.replays for g in graphs) > 0
+    assert sum(g.stats.ungraphed_runs for g in graphs) == 0, [g.stats.summary() for g in graphs]
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_left_padded_prompts_of_different_lengths_give_eager_tokens(cache):
     """Batched prompts of different lengths, padded on the left (the attention mask has zeros): the

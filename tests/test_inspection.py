@@ -134,8 +134,9 @@ def test_report_says_how_each_attention_runs_and_why_not_in_the_graph(options, e
 class _ScaledDecode(torch.nn.Module):
     """Decode attention over a cache prefix, passing ``scale``: not what the graph-safe kernel takes."""
 
-    def __init__(self):
+    def __init__(self, dropout: float):
         super().__init__()
+        self.dropout = dropout
         self.proj = torch.nn.Linear(8, 8, bias=False)
         self.register_buffer("k_cache", torch.zeros(4, 2, 16, 4))
 
@@ -144,19 +145,22 @@ class _ScaledDecode(torch.nn.Module):
         q = self.proj(x).view(B, 1, 2, 4).transpose(1, 2)
         self.k_cache[:B, :, t:t + 1] = q
         keys = self.k_cache[:B, :, :t + 1]
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, dropout_p=0.0, is_causal=True).sum(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, dropout_p=self.dropout,
+                                                        is_causal=True).sum(1)
 
 
-def test_report_names_the_arguments_that_keep_attention_eager():
+@pytest.mark.parametrize("dropout, named", [(0.0, "is_causal"), (0.5, "dropout_p, is_causal")])
+def test_report_names_the_arguments_that_keep_attention_eager(dropout, named):
+    """``dropout_p=0.0`` (what transformers passes in eval) is no argument: only a real dropout is named."""
     from .helpers import busiest_graph, last_serial
 
     torch._dynamo.reset()
     start = last_serial()
     with piecewise_backend.emulated_graphs():
-        compiled = torch.compile(_ScaledDecode().eval(), backend="piecewise")
+        compiled = torch.compile(_ScaledDecode(dropout).eval(), backend="piecewise")
         with torch.no_grad():
             for t in range(3):
                 compiled(torch.randn(2, 1, 8), t)
     (row,) = piecewise_backend.report(busiest_graph(start)).attention
-    assert row["runs"] == ("eager: it passes dropout_p, is_causal (the graph-safe kernel takes q, k, v, attn_mask, "
+    assert row["runs"] == (f"eager: it passes {named} (the graph-safe kernel takes q, k, v, attn_mask, "
                            "scale and enable_gqa alone)"), row

@@ -266,7 +266,8 @@ def _mask_view(node, static_inputs: set, placeholders: dict, length: tuple, q, s
 def _taken(name: str, value) -> bool:
     """Is this SDPA keyword one the graph-safe kernel does too?"""
     return (name == "is_causal" and value is False) or (name == "enable_gqa" and isinstance(value, bool)) \
-        or (name == "scale" and (value is None or isinstance(value, (int, float))))
+        or (name == "scale" and (value is None or isinstance(value, (int, float)))) \
+        or (name == "dropout_p" and isinstance(value, (int, float)) and value == 0)  # transformers passes 0.0
 
 
 def classify_attention(graph: torch.fx.Graph, static_inputs: set, steps: frozenset) -> dict:

@@ -163,6 +163,14 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("prefix_attention: keys and values need a contiguous last (head) dim")
     block, splits, chunk = plan_splits(batch * heads, buffer_len, dim)
+    return launch(q, keys, values, length, scale, mask, block, splits, chunk)
+
+
+def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, scale: float | None,
+           mask: torch.Tensor | None, block: int, splits: int, chunk: int, warps: int = 1) -> torch.Tensor:
+    """:func:`prefix_attention` with its tiling given (``splits`` programs per head, each over ``chunk``
+    keys in blocks of ``block``): one launch path for the op and for the benchmark that tunes it."""
+    batch, heads, _, dim = q.shape
     partial = torch.empty(batch * heads * splits, dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch * heads * splits, device=q.device, dtype=torch.float32)
     out = torch.empty(batch, heads, 1, dim, device=q.device, dtype=q.dtype)
@@ -175,7 +183,7 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         values.stride(0), values.stride(1), values.stride(2), *mask_strides,
         heads, heads // keys.shape[1], chunk, splits, 1.0 / math.sqrt(dim) if scale is None else scale,
         HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, HAS_MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=1)
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=warps)
     _merge_kernel[(batch * heads,)](partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d,
                                     BLOCK_S=triton.next_power_of_2(splits))
     return out
