@@ -128,6 +128,11 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 def _log_built(graph: CompiledGraph, plan: GraphPlan, config: PiecewiseConfig) -> None:
     stats, pieces = graph.stats, plan.split.pieces
+    devices = {v.device.type for v in plan.inputs.fake_inputs if isinstance(v, torch.Tensor)}
+    if plan.graphs_disabled_reason is not None and "cuda" in devices and len(devices) > 1:
+        # a CUDA model with a stray input elsewhere (a CPU counter in a cache object): the user did not
+        # ask for eager, so say it loudly (a CPU-only model is un-graphed by nature: no warning)
+        log.warning("piecewise: graph %d runs un-graphed: %s", graph.serial, plan.graphs_disabled_reason)
     if config.mode == "full" and len(pieces) > 1:
         log.warning("piecewise: graph %d: full mode, but %d nodes must run eagerly, so it is captured in %d "
                     "pieces: %s", graph.serial, sum(len(p.eager_reasons) for p in pieces), len(plan.pieces),

@@ -142,14 +142,23 @@ class GraphPlan:
 
 # -- deciding -----------------------------------------------------------------------------------------
 
-def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset()) -> str | None:
+def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset(),
+                           names: list | None = None) -> str | None:
+    """Why this graph never captures (None: it does). ``names``: the inputs' names, to say which
+    tensors keep a CUDA graph's inputs off the GPU (e.g. a 0-dim CPU counter a cache object holds)."""
     if not config.cudagraphs:
         return "cudagraphs=False in options"
     devices = {v.device.type for v in fake_inputs if isinstance(v, torch.Tensor)}
     if devices == {"cpu"} and emulating():
         return None
     if devices != {"cuda"}:
-        return f"graphs need CUDA tensors; inputs are on {', '.join(sorted(devices)) or 'no device'}"
+        reason = f"graphs need CUDA tensors; inputs are on {', '.join(sorted(devices)) or 'no device'}"
+        if "cuda" in devices and names is not None:
+            off = [f"{name} {tuple(v.shape)} on {v.device.type}" for name, v in zip(names, fake_inputs)
+                   if isinstance(v, torch.Tensor) and v.device.type != "cuda"]
+            reason += (f" ({', '.join(off[:3])}{f' and {len(off) - 3} more' if len(off) > 3 else ''}): a "
+                       f"graph would keep their values of the capture; keep them on the GPU, or pass Python ints")
+        return reason
     if missing:
         return f"compute pieces depend on symbols not read from any input ({', '.join(map(str, missing))})"
     return None
@@ -284,7 +293,8 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         signatures=dict(signatures), code=_piece_code(split), attention=_attention(calls),
         inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
-        graphs_disabled_reason=graphs_disabled_reason(config, inputs.fake_inputs, missing),
+        graphs_disabled_reason=graphs_disabled_reason(
+            config, inputs.fake_inputs, missing, [n.name for n in facts.placeholders(inputs.graph_module.graph)]),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         agreement=rank_agreement(inputs.graph_module.graph),
         sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends,

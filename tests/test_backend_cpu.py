@@ -48,6 +48,22 @@ def test_cpu_runs_ungraphed_and_says_why(llama_run):
         assert "need CUDA tensors; inputs are on cpu" in g.stats.graphs_disabled_reason
 
 
+def test_a_cpu_input_of_a_cuda_graph_is_named_with_the_fix():
+    """A CUDA model handing the graph a CPU tensor (transformers 5.17's sliding-window cache keeps a 0-dim
+    CPU counter) is not graphed; the reason names the tensor (fake CUDA tensors: no GPU needed)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from piecewise_backend.config import PiecewiseConfig
+    from piecewise_backend.plan import graphs_disabled_reason
+
+    with FakeTensorMode():
+        hidden, counter = torch.empty(2, 8, device="cuda"), torch.empty((), dtype=torch.int64)
+    reason = graphs_disabled_reason(PiecewiseConfig.from_options({}), [hidden, counter], names=["x", "cumulative"])
+    assert reason.startswith("graphs need CUDA tensors; inputs are on cpu, cuda (cumulative () on cpu)"), reason
+    assert "keep them on the GPU, or pass Python ints" in reason
+    assert graphs_disabled_reason(PiecewiseConfig.from_options({}), [hidden], names=["x"]) is None
+
+
 def test_cpu_graphs_count_their_batch_sizes_and_claim_no_padding(llama_run):
     """Without graphs nothing is padded, so the summary does not say it is; the calls per batch size
     are still counted (they are what a user sizes capture_sizes by)."""

@@ -259,5 +259,9 @@ def test_other_architectures_on_cuda_give_eager_tokens(arch):
         start = last_serial()
         _assert_same_tokens(_generate_both(_model(arch, "cuda", 4, 256), (1, 3), 16, "cuda", **kwargs))
     if arch == "mistral":  # its static cache's decode graph is dynamic in the batch: 3 pads to 4
-        graphs = graphs_since(start)
-        assert sum(g.stats.ungraphed_runs for g in graphs) == 0, [g.stats.summary() for g in graphs]
+        decode = busiest_graph(start)
+        assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
+        # a graph left un-graphed says why (transformers 5.17: a prefill reading a CPU counter)
+        for g in graphs_since(start):
+            assert not g.stats.ungraphed_runs or g.stats.graphs_disabled_reason or g.stats.miss_details, \
+                g.stats.summary()

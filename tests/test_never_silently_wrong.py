@@ -61,9 +61,19 @@ class BatchStatistics(torch.nn.Module):
 
 
 def test_hand_written_attention_over_the_batch_is_never_padded():
-    graph = _run_at_sizes(HandWrittenAttention().eval(), (3, 5, 5, 4))
+    with pytest.warns(UserWarning, match=r"batch size 3: .*rows meet rows.*Add the batch sizes you use to "
+                                         r"capture_sizes") as caught:
+        graph = _run_at_sizes(HandWrittenAttention().eval(), (3, 5, 5, 4))
     assert "rows meet rows" in graph.stats.padding and "matmul" in graph.stats.padding
     assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 3
+    assert sum("padding is refused" in str(w.message) for w in caught) == 1  # once per graph, not per call
+
+
+def test_a_size_left_un_graphed_by_padding_false_is_not_warned_about(recwarn):
+    """``padding=False`` is the user's own choice: sizes outside capture_sizes run un-graphed quietly."""
+    graph = _run_at_sizes(HandWrittenAttention().eval(), (3, 4), {"padding": False})
+    assert graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 1
+    assert not [w for w in recwarn if "padding is refused" in str(w.message)]
 
 
 def test_batch_norm_with_batch_statistics_is_never_padded():
