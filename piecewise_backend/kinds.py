@@ -34,7 +34,7 @@ class Miss(_Text):
     """Why a call runs un-graphed though the graph could have graphs (``stats.misses`` counts by it)."""
 
     ABOVE_MAX = "above the largest capture size"
-    NOT_A_CAPTURE_SIZE = "not a capture size and padding is off"
+    NOT_A_CAPTURE_SIZE = "not a capture size and padding=False"
     NOT_CAPTURED = "not captured and lazy_capture=False"
     OVER_BUDGET = "over the capture budget"
     WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"

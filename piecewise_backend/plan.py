@@ -205,7 +205,7 @@ def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake
     if not config.padding:
         return PaddingPlan({}, refusal, capacities, "off (padding=False): only exact capture sizes get graphs")
     if refusal:
-        return PaddingPlan({}, refusal, (), f"off for {sym}: {refusal}; only exact capture sizes get graphs")
+        return PaddingPlan({}, refusal, (), f"off for {sym}: {refusal}; each size is captured as it is")
     note = f"{sym} padded up to the next capture size"
     if capacities:
         rows = sorted({str(c.rows) for c in capacities})

@@ -158,7 +158,9 @@ def test_a_graph_that_reduces_over_the_batch_is_never_padded():
             torch.testing.assert_close(compiled(x), net(x))
     graph = _padded_graphs(start)[-1]
     assert "reduces over the batch" in graph.stats.padding
-    assert graph.captured == {(4,)} and graph.stats.misses[Miss.NOT_A_CAPTURE_SIZE] == 3
+    # padding refused, each size is captured as it is (and replays), none left un-graphed
+    assert graph.captured == {(3,), (4,), (5,)} and graph.stats.replays == 2, graph.stats.summary()
+    assert graph.stats.ungraphed_runs == 0
 
 
 def test_explicit_capture_and_its_errors():

@@ -4,7 +4,7 @@ import pytest
 
 from piecewise_backend import PiecewiseConfig
 from piecewise_backend.kinds import Miss
-from piecewise_backend.runtime.capture_policy import CapturePolicy
+from piecewise_backend.runtime.capture_policy import CapturePolicy, Plan
 from piecewise_backend.config import scheme_sizes
 
 
@@ -78,10 +78,18 @@ def test_lazy_off_pads_to_the_smallest_captured_size():
     assert policy.plan((3,), {(2,)}, lambda: 0).miss == Miss.NOT_CAPTURED
 
 
-def test_padding_off_serves_exact_sizes_only():
+def test_refused_padding_captures_each_size_as_it_is():
     policy = _policy(no_padding="x.sum(0) reduces over the batch", capture_sizes=[2, 4, 8])
     plan = policy.plan((3,), set(), lambda: 0)
-    assert plan.miss == Miss.NOT_A_CAPTURE_SIZE and "reduces over the batch" in plan.detail
+    assert plan.capture and plan.key == (3,) and not plan.padded
+    assert policy.plan((3,), {(3,)}, lambda: 0) == Plan((3,), 3)
+    assert policy.plan((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
+
+
+def test_padding_false_serves_capture_sizes_only():
+    policy = _policy(padding=False, capture_sizes=[2, 4, 8])
+    plan = policy.plan((3,), set(), lambda: 0)
+    assert plan.miss == Miss.NOT_A_CAPTURE_SIZE and "padding=False" in plan.detail
     assert policy.plan((4,), set(), lambda: 0).capture
 
 

@@ -84,7 +84,10 @@ class CapturePolicy:
         pad_position: index in the shape key of the padded (leading dynamic) size, or None when the
             graph has none (a graph Dynamo specialised to one batch size: its one key is captured
             as is).
-        no_padding_reason: why this graph cannot be padded (None if it can).
+        no_padding_reason: why this graph cannot be padded (None if it can). Then each batch size up
+            to the largest capture size is captured as it is, on first sight: padding was wanted and
+            the proof refused it, and a size left un-graphed (batch 3 of a generate() call) would
+            cost the launch overhead at every step. ``padding=False`` keeps to ``capture_sizes``.
         agreement: for a graph with collectives, the other ranks' say in every budget decision
             (``distributed.RankAgreement``), so all ranks capture the same sizes at the same call.
         row_limit: ``key -> rows``: the fewest rows of the tensors the graph reads or writes by batch
@@ -100,6 +103,7 @@ class CapturePolicy:
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
         self.no_padding_reason = no_padding_reason if config.padding else "padding=False in options"
+        self.exact_sizes = config.padding and no_padding_reason is not None
         self.lazy = config.lazy_capture
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
         self.agreement = agreement
@@ -107,13 +111,13 @@ class CapturePolicy:
 
     def bucket(self, size: int, rows: int | None = None) -> int | None:
         """The capture size that serves ``size`` if it were captured (ignoring what is); ``size``
-        itself when padding up would pass ``rows``."""
+        itself when padding up would pass ``rows``, or when the graph cannot be padded."""
         if size > self.sizes[-1]:
             return None
         if self.padding:
             bucket = self.sizes[bisect.bisect_left(self.sizes, size)]
             return size if rows is not None and bucket > rows else bucket
-        return size if size in self.sizes else None
+        return size if size in self.sizes or self.exact_sizes else None
 
     def with_size(self, key: tuple, size: int) -> tuple:
         p = self.pad_position

@@ -208,12 +208,6 @@ class CompiledGraph:
             if plan.miss == Miss.OVER_BUDGET:
                 self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
                                           f"{plan.detail}. Those calls run un-graphed (see stats.summary()).")
-            elif plan.miss == Miss.NOT_A_CAPTURE_SIZE and self.config.padding:  # refused by the proof, not by you
-                self.warn_once(plan.miss, f"piecewise: graph {self.serial}: batch {plan.detail}; padding is refused "
-                                          f"for this graph, so a batch size not in capture_sizes "
-                                          f"({self.policy.sizes[0]}, {self.policy.sizes[1]}, ...) runs un-graphed. "
-                                          f"Add the batch sizes you use to capture_sizes to capture them as "
-                                          f"they are.")
             elif plan.miss == Miss.NEVER_REPLAYED:
                 self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
                                           f"{plan.detail}. Each would be a graph captured for one call. New "
