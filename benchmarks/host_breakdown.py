@@ -2,6 +2,8 @@
 
     python benchmarks/host_breakdown.py [--model 16L --batch 8 --steps 50] [--eager-attention] [--json out.json]
 
+``--model`` takes the suite's idiom models too (``16L-whole-cache``).
+
 A CUDA-graph backend wins only while the host launches a step faster than the GPU runs it. This
 times, per decode step and without synchronising inside the step: the whole call as the user sees
 it; the part inside the backend's compiled graph (so Dynamo's entry, guards and argument gathering
@@ -31,7 +33,7 @@ from piecewise_backend.runtime.piece_runner import PieceRunner
 from piecewise_backend.splitting import COMPUTE
 from timing import timed
 from toys.models import ToyConfig, reset_caches, sdpa_backends
-from suite import MODELS, next_ids, toy_model
+from suite import IDIOMS, MODELS, next_ids, toy_model
 
 
 class _Clock:
@@ -85,7 +87,11 @@ def _timed_steps(step, logits, pos: int, steps: int, device: str) -> tuple[list,
 
 
 def step_breakdown(args, device: str) -> dict:
-    model = toy_model(args.model, device, max_batch=args.batch, max_seq=args.prompt + 2 * args.steps + 16)
+    size, cls = IDIOMS.get(args.model, (args.model, None))  # a model in another idiom: its size's config
+    sizes = dict(max_batch=args.batch, max_seq=args.prompt + 2 * args.steps + 16)
+    model = toy_model(size, device, cls, **sizes) if cls is not None else toy_model(size, device, **sizes)
+    if hasattr(model, "set_batch"):
+        model.set_batch(args.batch)  # its caches hold exactly the batch
     cfg = model.cfg
     options = {"graph_attention": False} if args.eager_attention else {}
     step = torch.compile(model, backend="piecewise", options=options)
@@ -141,7 +147,7 @@ def _per_call_us(fn, repeats: int = 2000) -> float:
 def op_costs(args, device: str) -> dict:
     """Host microseconds per call of the operations a step is made of (launch-rate bound loops)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    cfg = ToyConfig(**MODELS[args.model], max_batch=args.batch, max_seq=args.prompt + 8)
+    cfg = ToyConfig(**MODELS[IDIOMS.get(args.model, (args.model,))[0]], max_batch=args.batch, max_seq=args.prompt + 8)
     nh, hd, b = cfg.heads, cfg.head_dim, args.batch
     cache = torch.zeros(b, nh, cfg.max_seq, hd, device=device, dtype=dtype)
     k = torch.randn(b, nh, 1, hd, device=device, dtype=dtype)
@@ -178,7 +184,7 @@ def op_costs(args, device: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="16L", choices=sorted(MODELS))
+    parser.add_argument("--model", default="16L", choices=sorted(MODELS) + sorted(IDIOMS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)

@@ -237,11 +237,12 @@ def test_startup_row_splits_the_time_to_first_output():
     assert row["inductor_graphs"] == 3 and row["backend_s"]["inductor"] > 0, row
 
 
-def test_host_breakdown_of_the_default_one_graph_decode_step(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny-whole-cache"])
+def test_host_breakdown_of_the_default_one_graph_decode_step(tmp_path, model):
     import json
 
     out = tmp_path / "host.json"
-    _run_script(["host_breakdown.py", "--model", "tiny", "--steps", "5", "--json", str(out)])
+    _run_script(["host_breakdown.py", "--model", model, "--steps", "5", "--json", str(out)])
     step = json.loads(out.read_text())["step"]
     assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
     assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0
