@@ -38,9 +38,9 @@ def _config(arch: str, layers: int, hidden: int):
         return transformers.MistralConfig(sliding_window=5, **common), transformers.MistralForCausalLM
     if arch == "gemma":
         return transformers.GemmaConfig(head_dim=hidden // 8, **common), transformers.GemmaForCausalLM
-    if arch == "gemma2":  # attention written as matmuls by default (attn_implementation="eager")
-        return transformers.Gemma2Config(head_dim=hidden // 8, sliding_window=4, **common), \
-            transformers.Gemma2ForCausalLM
+    if arch == "gemma2":  # attention written as matmuls (its default in transformers 5.24, asked for by name)
+        return transformers.Gemma2Config(head_dim=hidden // 8, sliding_window=4, attn_implementation="eager",
+                                         **common), transformers.Gemma2ForCausalLM
     if arch == "gpt2":
         return (transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
                 transformers.GPT2LMHeadModel)
@@ -135,6 +135,35 @@ def test_other_architectures_give_eager_tokens(arch, cache):
     else:
         decode = busiest_graph(start)
         assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_beam_search_gives_eager_tokens(cache):
+    """Beam search reorders the cache between steps (``index_select`` on the batch dim, outside the
+    graph). The dynamic cache's graphs replay. The static cache becomes new tensors at every step,
+    and the graph writes them in place, at their own addresses: a new set of graphs per step up to
+    ``max_weight_sets``, then un-graphed, with one warning naming the moved cache."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("llama", "cpu")
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    kwargs = {"num_beams": 2, **({"cache_implementation": "static"} if cache == "static" else {})}
+    theirs = _generate(model, ids, 10, **kwargs)
+    model.forward = torch.compile(model.forward, backend="piecewise")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            mine = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
+                                  pad_token_id=0, **kwargs)
+    assert torch.equal(mine, theirs)
+    graphs = graphs_since(start)
+    if cache == "dynamic":
+        assert sum(g.stats.replays for g in graphs) > 0
+        assert sum(g.stats.ungraphed_runs for g in graphs) == 0, [g.stats.summary() for g in graphs]
+    else:
+        assert any(g.stats.misses[Miss.WEIGHTS_MOVED] for g in graphs), [g.stats.summary() for g in graphs]
+        assert [w for w in caught if "layers_0_keys" in str(w.message) and "max_weight_sets" in str(w.message)]
 
 
 @pytest.mark.usefixtures("emulated_graphs")
