@@ -16,7 +16,10 @@ answer from the plain rule, and this module decides both before the split:
   In a compute piece each would put the length into the piece's shape key: one capture per KV
   length, and no replay ever (what HF ``generate()`` got before). Beside the attention op, in the
   eager piece, the compute pieces never see the KV length and replay at every step; those ops run
-  eagerly, as they do in eager, a few kernels per layer.
+  eagerly, as they do in eager, a few kernels per layer. The same holds for a fixed-shape attention
+  whose mask is gathered from an input that grows (transformers 5.17's full sliding window reads
+  its window's columns of ``attention_mask [B, past + 1]``): the gather runs eagerly, the attention
+  stays in its piece.
 """
 
 from __future__ import annotations
@@ -90,14 +93,15 @@ def _symbols(node: torch.fx.Node) -> set:
 def beside_attention(graph: torch.fx.Graph, is_compute, is_attention) -> dict:
     """Compute nodes sized by a KV length that only attention (or the graph's output) reads, directly
     or through each other: the cache's ``cat``, its crop to a sliding window, views, ``repeat_kv``, the
-    mask built for that length. Node -> why it runs eagerly, beside its attention."""
+    mask built for that length. Node -> why it runs eagerly, beside its attention. ``is_attention``
+    may hold attention that stays in a compute piece (fixed shape): the KV length stops at it."""
     queries = query_symbols(graph, is_attention)
     if not any(is_attention(n) for n in graph.nodes):
         return {}
     roots = facts.alias_roots(graph)
     lengths: dict = {}  # compute node -> the KV-length symbols its value depends on
     for node in graph.nodes:
-        if is_compute(node):
+        if is_compute(node) and not is_attention(node):  # a fixed-shape attention's output is not KV-sized
             found = _symbols(node) - queries
             for arg in node.all_input_nodes:
                 found |= lengths.get(arg, set())

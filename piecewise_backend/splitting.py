@@ -87,7 +87,10 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
             syms = ", ".join(sorted(map(str, steps)))
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
         kinds[node] = EAGER if node in reasons else COMPUTE
-    growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE, lambda n: kinds.get(n) == SPLIT)
+    # fixed-shape attention counts too: its mask may be built from an input that grows every step
+    # (transformers 5.17's sliding window gathers a full window from the [B, past + 1] attention_mask)
+    growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE,
+                              lambda n: kinds.get(n) == SPLIT or kinds.get(n) == COMPUTE and is_fixed_shape_attention(n))
     kinds.update(dict.fromkeys(growth, EAGER))
     reasons.update(growth)
     # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured

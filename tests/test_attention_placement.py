@@ -152,3 +152,51 @@ def test_a_mask_built_for_the_kv_length_runs_beside_attention_too():
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per KV length
     assert graph.stats.replays >= 3
     assert any("depends on a KV length" in why for p in graph.pieces for why in p.eager_reasons)
+
+
+class FullWindowModel(CatCacheModel):
+    """transformers 5.17's sliding window once full: the cache keeps the last ``window`` keys (fixed
+    shape, so the attention is compiled with its piece), and the mask is gathered from the growing
+    ``attention_mask [B, past + 1]`` at the window's positions."""
+
+    window = 4
+
+    def forward(self, x, past_k, past_v, attention_mask):
+        b, s, d = x.shape
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        k = torch.cat([past_k, k], dim=2)[:, :, -self.window:]
+        v = torch.cat([past_v, v], dim=2)[:, :, -self.window:]
+        total = attention_mask.shape[1]
+        columns = torch.arange(self.window) + (total - self.window)
+        mask = attention_mask.bool()[torch.arange(b)[:, None], columns[None, :]][:, None, None, :]
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out(o.transpose(1, 2).reshape(b, s, d)), k[:, :, 1:], v[:, :, 1:]
+
+
+def test_a_mask_gathered_from_a_growing_input_runs_beside_fixed_shape_attention():
+    """Before, the growing ``attention_mask`` sat in the compute piece: a capture per step, never
+    replayed. Now what reads it runs eagerly and the piece, attention included, replays."""
+    torch.manual_seed(0)
+
+    def window_caches_and_mask(step: int) -> tuple:
+        attention_mask = torch.ones(2, step + 8, dtype=torch.long)
+        attention_mask[1, -3] = 0  # a padded position inside the window
+        return (attention_mask,)
+
+    model = FullWindowModel().eval()
+    torch._dynamo.reset()
+    start = last_serial()
+    compiled = torch.compile(model, backend="piecewise")
+    caches = {name: (torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8)) for name in ("mine", "eager")}
+    caches["eager"] = tuple(c.clone() for c in caches["mine"])
+    with torch.no_grad():
+        for step in range(6):
+            x, extra = torch.randn(2, 1, 32), window_caches_and_mask(step)
+            mine, *caches["mine"] = compiled(x, *caches["mine"], *extra)
+            theirs, *caches["eager"] = model(x, *caches["eager"], *extra)
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
+    graph = busiest_graph(start)
+    assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"]
+    assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per mask length
+    assert graph.stats.replays >= 3
+    assert any("depends on a KV length" in why for p in graph.pieces for why in p.eager_reasons)
