@@ -61,13 +61,13 @@ class CatCacheModel(torch.nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, d)), k, v
 
 
-def _decode_with_growing_cache(model, extra_args=lambda step: ()):
-    """Six decode steps of ``model`` (caches grown by cat) compiled and eager, outputs and caches
-    compared; returns the compiled graph that served the steps."""
+def _decode_with_growing_cache(model, extra_args=lambda step: (), past: int = 1):
+    """Six decode steps of ``model`` (caches of ``past`` positions, grown by cat) compiled and eager,
+    outputs and caches compared; returns the compiled graph that served the steps."""
     torch._dynamo.reset()
     start = last_serial()
     compiled = torch.compile(model, backend="piecewise")
-    caches = {name: (torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)) for name in ("mine", "eager")}
+    caches = {name: (torch.zeros(2, 4, past, 8), torch.zeros(2, 4, past, 8)) for name in ("mine", "eager")}
     with torch.no_grad():
         for step in range(6):
             x, extra = torch.randn(2, 1, 32), extra_args(step)
@@ -178,24 +178,12 @@ def test_a_mask_gathered_from_a_growing_input_runs_beside_fixed_shape_attention(
     replayed. Now what reads it runs eagerly and the piece, attention included, replays."""
     torch.manual_seed(0)
 
-    def window_caches_and_mask(step: int) -> tuple:
+    def attention_mask_with_a_padded_position(step: int) -> tuple:
         attention_mask = torch.ones(2, step + 8, dtype=torch.long)
-        attention_mask[1, -3] = 0  # a padded position inside the window
+        attention_mask[1, -3] = 0  # inside the window
         return (attention_mask,)
 
-    model = FullWindowModel().eval()
-    torch._dynamo.reset()
-    start = last_serial()
-    compiled = torch.compile(model, backend="piecewise")
-    caches = {name: (torch.randn(2, 4, 3, 8), torch.randn(2, 4, 3, 8)) for name in ("mine", "eager")}
-    caches["eager"] = tuple(c.clone() for c in caches["mine"])
-    with torch.no_grad():
-        for step in range(6):
-            x, extra = torch.randn(2, 1, 32), window_caches_and_mask(step)
-            mine, *caches["mine"] = compiled(x, *caches["mine"], *extra)
-            theirs, *caches["eager"] = model(x, *caches["eager"], *extra)
-            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5)
-    graph = busiest_graph(start)
+    graph = _decode_with_growing_cache(FullWindowModel().eval(), attention_mask_with_a_padded_position, past=3)
     assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"]
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per mask length
     assert graph.stats.replays >= 3
