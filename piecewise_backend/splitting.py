@@ -73,13 +73,15 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
     input_roots = {n for n in graph.nodes if n.op == "placeholder" and n.name not in writable}
     kinds: dict = {}
     reasons: dict = dict(forced_eager)
+    attention: set = set()  # splitting ops, split or (fixed-shape attention) kept in their piece
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
             continue
-        if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops and \
-                not (fixed_attention and is_fixed_shape_attention(node)):
-            kinds[node] = SPLIT
-            continue
+        if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops:
+            attention.add(node)
+            if not (fixed_attention and is_fixed_shape_attention(node)):
+                kinds[node] = SPLIT
+                continue
         written = [roots[m] for m in facts.mutated_inputs(node)]
         if node not in safe_writes and any(r in input_roots for r in written):
             reasons[node] = f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
@@ -89,8 +91,7 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
         kinds[node] = EAGER if node in reasons else COMPUTE
     # fixed-shape attention counts too: its mask may be built from an input that grows every step
     # (transformers 5.17's sliding window gathers a full window from the [B, past + 1] attention_mask)
-    growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE,
-                              lambda n: kinds.get(n) == SPLIT or kinds.get(n) == COMPUTE and is_fixed_shape_attention(n))
+    growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE, attention.__contains__)
     kinds.update(dict.fromkeys(growth, EAGER))
     reasons.update(growth)
     # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
