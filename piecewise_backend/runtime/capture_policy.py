@@ -102,7 +102,6 @@ class CapturePolicy:
         self.symbols = symbols  # the name of each shape-key position, for people
         self.pad_position = pad_position
         self.padding = config.padding and no_padding_reason is None
-        self.no_padding_reason = no_padding_reason if config.padding else "padding=False in options"
         self.exact_sizes = config.padding and no_padding_reason is not None
         self.lazy = config.lazy_capture
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
@@ -138,7 +137,8 @@ class CapturePolicy:
         if bucket is None:
             if size > self.sizes[-1]:
                 return Plan(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
-            return Plan(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: {self.no_padding_reason}")
+            # reached only with padding=False: a graph whose padding the proof refused has exact sizes
+            return Plan(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: padding=False in options")
         bucket_key = self.with_size(key, bucket)
         if bucket_key in captured:
             return Plan(bucket_key, size, padded=bucket != size)
