@@ -166,6 +166,7 @@ def op_costs(args, device: str) -> dict:
             lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
     costs["sdpa (torch default)"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
     costs["data_ptr()"] = _per_call_us(lambda: k.data_ptr(), 20000)
+    costs.update(weights_check_costs(device, dtype))
     costs["copy_ (small)"] = _per_call_us(lambda: q.copy_(k))
     if device == "cuda":
         graph = torch.cuda.CUDAGraph()
@@ -179,6 +180,29 @@ def op_costs(args, device: str) -> dict:
             x.add_(1)
         costs["graph.replay() (one kernel)"] = _per_call_us(graph.replay)
     synchronize(device)
+    return costs
+
+
+def weights_check_costs(device: str, dtype: torch.dtype, count: int = 151) -> dict:
+    """Host µs of the per-call check that ``count`` parameters are where the graphs captured them
+    (``runtime/weight_sets.py``), both ways it can be done: torch's C++ loop (CUDA builds) and a
+    tuple of ``data_ptr()`` built in Python. Why: the C++ loop converts every list item to a C++
+    tensor first; on a slow host that may cost as much as the Python loop it replaced."""
+    import operator
+
+    from piecewise_backend._torch_internals import data_ptrs_check
+
+    weights = [torch.zeros(4, device=device, dtype=dtype) for _ in range(count)]
+    args = (torch.zeros(1, device=device), *weights)  # the weights behind a non-weight input, as in a call
+    indices = list(range(1, count + 1))
+    getter, data_ptr = operator.itemgetter(*indices), torch.Tensor.data_ptr
+    active = tuple(map(data_ptr, getter(args)))
+    costs = {f"weights check, Python tuple ({count})": _per_call_us(
+        lambda: tuple(map(data_ptr, getter(args))) == active)}
+    check = data_ptrs_check()
+    if check is not None:
+        ptrs = [None, *active]
+        costs[f"weights check, torch C++ ({count})"] = _per_call_us(lambda: check(list(args), ptrs, indices))
     return costs
 
 

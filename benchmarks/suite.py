@@ -30,6 +30,10 @@ Variants, side by side in one process (the machines are noisy; read ratios):
   named ``piecewise-full`` in results measured before the rename.
 * ``limit``: the Inductor-compiled step at one fixed shape (batch, position) captured whole in one
   ``torch.cuda.graph`` and replayed: no host work at all; the floor for any backend.
+* ``dynamo-floor``: ``torch.compile(model)`` with a backend that does nothing but replay ``limit``'s
+  graph: Dynamo's entry (guards, gathering the ~150 parameters it passes as inputs) plus one replay,
+  the floor for *any* ``torch.compile`` backend. Timing only: its outputs are the limit's, whatever
+  the inputs. ``piecewise`` minus this is what the backend itself adds.
 * ``limit-full``: the same for the graph-safe twin, the floor for ``piecewise-full-static`` (its
   masked attention over the whole static cache is a different, slower kernel than ``limit``'s).
 
@@ -91,7 +95,7 @@ MODELS = {
 IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28L", "tiny")}
 BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
                  "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full",
-                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full")
+                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
 PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]); see the docstring
 VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
 
@@ -156,6 +160,17 @@ def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = 
 
     replay.inputs = (ids, pos)
     return replay, first_call
+
+
+def floor_backend(replay):
+    """A ``torch.compile`` backend whose every graph is ``replay()`` (the limit's graph): what a
+    backend costs when it adds nothing to Dynamo's entry (``dynamo-floor``; timing only)."""
+
+    def backend(gm, example_inputs):
+        def run(*args):
+            return (replay(),)
+        return run
+    return backend
 
 
 def second_half(values: list, steps: int) -> list:
@@ -344,6 +359,9 @@ def _prepared(variant: str, model, twin, batch: int, args, device: str, pinned: 
         return first_s, lambda pipelined=False: replay_ms(replay, args.steps, device, pipelined), lambda: compiles
     if variant == "eager":
         step, target = model, model
+    elif variant == "dynamo-floor":
+        replay, _ = limit_graph(model, batch, args.prompt, device)
+        step, target = torch.compile(model, backend=floor_backend(replay)), model
     else:
         target = twin if variant == "piecewise-full-static" else model
         step = compiled_variant(variant, target, pinned)

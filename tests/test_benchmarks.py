@@ -121,6 +121,42 @@ def test_skip_guards_variant_decodes_its_base_variants_graphs():
     assert skipping["inductor_compiled"] == 0 and skipping["inductor_cache_hits"] == 0, skipping
 
 
+def test_dynamo_floor_runs_nothing_but_the_replay_behind_dynamo():
+    """``dynamo-floor`` times Dynamo's entry plus one replay: its backend must call the replay once
+    per step and return its output, whatever the inputs, through a real ``torch.compile``."""
+    calls, out = [], torch.full((2, 1, 256), 7.0)
+
+    def replay():
+        calls.append(1)
+        return out
+
+    model = suite.toy_model("tiny", "cpu", suite.IDIOMS["tiny-whole-cache"][1],
+                            max_batch=2, max_seq=32)
+    model.set_batch(2)
+    step = torch.compile(model, backend=suite.floor_backend(replay))
+    with torch.inference_mode():
+        results = [step(torch.zeros(2, 1, dtype=torch.long), pos) for pos in (3, 4, 5)]
+    assert len(calls) == 3 and all(r is out for r in results)
+    assert model.layers[0].attn.k_cache.abs().sum() == 0, "the model itself ran: the floor must not"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
+def test_dynamo_floor_row_on_cpu_is_an_error_row():
+    args = argparse.Namespace(models=["tiny-whole-cache"], batches=[2], variants=["dynamo-floor"], steps=3, prompt=4)
+    (row,) = suite.decode_rows(args, "cpu", [])
+    assert row["step_ms"] is None and "needs a GPU" in row["error"], row
+
+
+def test_weights_check_costs_time_the_python_check_and_the_cpp_one_where_torch_has_it():
+    sys.path.insert(0, str(BENCH))
+    import host_breakdown
+    from piecewise_backend._torch_internals import data_ptrs_check
+
+    costs = host_breakdown.weights_check_costs("cpu", torch.float32, count=5)
+    assert costs["weights check, Python tuple (5)"] > 0
+    assert ("weights check, torch C++ (5)" in costs) == (data_ptrs_check() is not None)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the limit is a CUDA graph: needs a GPU")
 def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
