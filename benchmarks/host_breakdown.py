@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import operator
 import statistics
 import time
 
@@ -188,8 +189,6 @@ def weights_check_costs(device: str, dtype: torch.dtype, count: int = 151) -> di
     (``runtime/weight_sets.py``), both ways it can be done: torch's C++ loop (CUDA builds) and a
     tuple of ``data_ptr()`` built in Python. Why: the C++ loop converts every list item to a C++
     tensor first; on a slow host that may cost as much as the Python loop it replaced."""
-    import operator
-
     from piecewise_backend._torch_internals import data_ptrs_check
 
     weights = [torch.zeros(4, device=device, dtype=dtype) for _ in range(count)]

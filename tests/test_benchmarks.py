@@ -130,8 +130,7 @@ def test_dynamo_floor_runs_nothing_but_the_replay_behind_dynamo():
         calls.append(1)
         return out
 
-    model = suite.toy_model("tiny", "cpu", suite.IDIOMS["tiny-whole-cache"][1],
-                            max_batch=2, max_seq=32)
+    model = suite.toy_model("tiny", "cpu", suite.IDIOMS["tiny-whole-cache"][1], max_batch=2, max_seq=32)
     model.set_batch(2)
     step = torch.compile(model, backend=suite.floor_backend(replay))
     with torch.inference_mode():
@@ -148,7 +147,6 @@ def test_dynamo_floor_row_on_cpu_is_an_error_row():
 
 
 def test_weights_check_costs_time_the_python_check_and_the_cpp_one_where_torch_has_it():
-    sys.path.insert(0, str(BENCH))
     import host_breakdown
     from piecewise_backend._torch_internals import data_ptrs_check
 
