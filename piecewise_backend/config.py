@@ -73,7 +73,10 @@ class PiecewiseConfig:
         max_weight_sets: how many sets of parameter/buffer addresses a compiled graph keeps graphs
             for. Weights that move (``load_state_dict(assign=True)``, ``.to()``, a second model's
             weights through the same compiled function) get graphs of their own, captured anew;
-            a set beyond this many runs un-graphed. The user's tensors are never written.
+            past this many, a new set's call runs un-graphed, and when the same addresses come
+            again (no other set used in between) they get graphs in place of the least recently
+            used set (a new static cache per ``generate()``); addresses new at every call (beam
+            search's reordered static cache) stay un-graphed. The user's tensors are never written.
         capture_kv_writes: move writes like ``cache[:B, :, pos:pos + S] = k`` (a buffer written at a
             per-step Python-int position) into the captured graphs, with the position read from a
             device tensor the graph refreshes once per call (see ``decode/kv_writes.py``). Off,

@@ -58,6 +58,7 @@ class GraphStats:
     eager_sdpa: str = ""  # which SDPA kernels eager attention may use, and why (empty: torch's choice)
     attention: dict = dataclasses.field(default_factory=dict)  # how attention runs -> how many calls
     weight_sets: int = 0  # sets of parameter addresses seen with graphs (more than 1: weights moved)
+    weight_sets_replaced: int = 0  # of those, dropped past max_weight_sets for a newer one
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
     batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
@@ -116,7 +117,8 @@ class GraphStats:
         elif self.padding:  # without graphs nothing is padded: every batch runs at its own size
             lines.append(f"padding: {self.padding}")
         if self.weight_sets > 1:
-            lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses")
+            replaced = f" ({self.weight_sets_replaced} replaced by newer ones)" if self.weight_sets_replaced else ""
+            lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses{replaced}")
         if self.attention:
             lines.append("attention: " + "; ".join(f"{n} × {how}" for how, n in self.attention.items()))
         if self.eager_sdpa:

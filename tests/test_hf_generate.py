@@ -167,6 +167,31 @@ def test_beam_search_gives_eager_tokens(cache):
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_many_generate_calls_with_the_static_cache_keep_replaying(device):
+    """transformers makes a new static cache per ``generate()``: new addresses for the decode graph's
+    written inputs at every call (kept apart here by holding each call's cache). Past
+    ``max_weight_sets`` the decode graph used to run un-graphed for good; now each call's first decode
+    step runs un-graphed and the rest replay."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("llama", device)
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0)).to(device)
+    theirs = _generate(model, ids, 8, cache_implementation="static")
+    model.forward = torch.compile(model.forward, backend="piecewise")
+    kept, replays = [], []
+    for _ in range(7):
+        out = _generate(model, ids, 8, cache_implementation="static", return_dict_in_generate=True)
+        assert torch.equal(out.sequences, theirs)
+        kept.append(out.past_key_values)  # its cache stays alive: the next call's is elsewhere
+        decode = busiest_graph(start)
+        replays.append(decode.stats.replays)
+    assert all(later - earlier >= 5 for earlier, later in zip(replays, replays[1:])), (replays, decode.stats.summary())
+    assert decode.stats.weight_sets == 7 and decode.stats.weight_sets_replaced == 3, decode.stats.summary()
+    assert decode.stats.misses[Miss.WEIGHTS_MOVED] == 3, decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 def test_static_cache_after_dynamic_cache_in_one_process_replays():
     """A user's order: ``generate()`` with the dynamic cache, then with the static one, no Dynamo reset.
     Dynamo has seen the window's cache grow, so the static window's length (5) comes as a symbol; taken

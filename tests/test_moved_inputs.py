@@ -148,3 +148,47 @@ def test_the_per_call_address_check_sees_a_weight_moved_through_data(device):
     assert sets.unchanged(args) and sets.unchanged((weight, 4, buffer, torch.zeros(3, device=device)))
     buffer.data = torch.zeros(4, device=device)  # same tensor object, new memory
     assert not sets.unchanged(args) and sets.addresses(args) != addresses
+
+
+def test_past_max_weight_sets_addresses_that_come_again_replace_the_least_recently_used_set():
+    """A fourth ``generate()`` with a new static cache used to run un-graphed for good. Past the bound,
+    a new set runs its first call un-graphed; when its addresses come again (no other set in between)
+    it gets graphs in place of the least recently used set, whose graphs are dropped."""
+    torch._dynamo.reset()
+    start = last_serial()
+    first, second, third = (_mlp(seed) for seed in (3, 4, 5))
+    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
+                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for net in (first, second, third, third, third):
+            _calls(lambda x: compiled(net, x), net, sizes=(4,))
+    graph = busiest_graph(start)
+    assert graph.stats.misses[Miss.WEIGHTS_MOVED] == 1  # the third net's first call
+    assert graph.stats.weight_sets == 3 and graph.stats.weight_sets_replaced == 1
+    assert "1 replaced" in graph.stats.summary()
+    assert len(graph.weights) == 2  # the first net's graphs were dropped
+    replays = graph.stats.replays
+    _calls(lambda x: compiled(third, x), third, sizes=(4,))
+    assert graph.stats.replays == replays + 1
+    _calls(lambda x: compiled(first, x), first, sizes=(4,))  # dropped: un-graphed until it comes again
+    assert graph.stats.misses[Miss.WEIGHTS_MOVED] == 2
+    bound = [str(w.message) for w in caught if "max_weight_sets=2" in str(w.message)]
+    assert len(bound) == 1 and "in place of the least recently used set" in bound[0], bound
+
+
+def test_addresses_new_at_every_call_past_the_bound_stay_ungraphed():
+    """Beam search's reordered static cache: new tensors at every step. Past the bound nothing is
+    captured for them (a capture per call costs more than the run); every such call is counted."""
+    torch._dynamo.reset()
+    start = last_serial()
+    nets = [_mlp(seed) for seed in range(6)]
+    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
+                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for net in nets:
+            _calls(lambda x: compiled(net, x), net, sizes=(4,))
+    graph = busiest_graph(start)
+    assert graph.stats.misses[Miss.WEIGHTS_MOVED] == 4 and graph.stats.weight_sets == 2
+    assert graph.stats.weight_sets_replaced == 0

@@ -157,27 +157,31 @@ class CompiledGraph:
 
     def _use_weights(self, addresses: tuple, args: tuple) -> bool:
         """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
-        False when the set is new and ``max_weight_sets`` sets have graphs already."""
+        False when the set is new, ``max_weight_sets`` sets have graphs, and these addresses have not
+        come before (they get graphs if they come again)."""
         moved = self._first_moved(addresses)
         weight_set = self.weights.find(addresses)
         if weight_set is None:
             detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
                       f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
             self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
-            self.warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: calls with these weights "
-                                            f"run un-graphed. Raise max_weight_sets, or recompile "
-                                            f"(torch._dynamo.reset()) after replacing the weights for good; pass "
-                                            f"the same tensor each call where the graph writes one you own (a "
-                                            f"cache).")
+            self.warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: this call runs "
+                                            f"un-graphed. If the same addresses come again, they get graphs "
+                                            f"in place of the least recently used set; addresses new at every "
+                                            f"call (beam search's reordered static cache) stay un-graphed: "
+                                            f"use the dynamic cache there. Raise max_weight_sets to keep more "
+                                            f"sets; pass the same tensor each call where the graph writes one "
+                                            f"you own (a cache).")
             return False
         if weight_set.number > 1:
             self.warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers (or inputs "
                                             f"it writes in place) are at new addresses ({moved}; "
                                             f"load_state_dict(assign=True), .to(), another model's weights, a new "
-                                            f"cache): capturing graphs for them (set {weight_set.number} of at "
-                                            f"most {self.weights.limit}); the tensors captured before are never "
-                                            f"written.")
+                                            f"cache): capturing graphs for them (set {weight_set.number}; at "
+                                            f"most {self.weights.limit} kept, the least recently used replaced); "
+                                            f"the tensors captured before are never written.")
         self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
+        self.stats.weight_sets_replaced = self.weights.replaced
         self._activate(addresses, weight_set)
         self.up_front.use_weights(args)
         return True

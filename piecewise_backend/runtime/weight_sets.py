@@ -10,10 +10,17 @@ a further set run un-graphed. Each set's graphs are only ever replayed with ever
 address it was captured with, so a replay reads exactly what the caller passed.
 
 Re-capturing costs one capture per size in use (milliseconds per size on the H200); running
-un-graphed costs the launch overhead on every step, so re-capturing wins after a few steps and is
-what happens until the bound. The check is one pass over the graph's parameters/buffers per call,
-not one per piece: torch's C++ comparison of their ``data_ptr`` values with the active set's where
-torch has it (CUDA builds), else a tuple of them built in Python and compared.
+un-graphed costs the launch overhead on every step, so re-capturing wins after a few steps. Past the
+bound, a new set gets graphs when it comes on a second call with no other set used in between,
+replacing the least recently used set (its graphs are released). Why: transformers' ``generate()``
+makes a new static cache per call, so a decode graph meets a new set of cache addresses at every
+``generate()``; a fixed bound left every call after the fourth un-graphed. Addresses that are new at
+every call (beam search reorders the static cache into new tensors each step) never come twice and
+stay un-graphed: a capture per call would cost more than the run.
+
+The check is one pass over the graph's parameters/buffers per call, not one per piece: torch's C++
+comparison of their ``data_ptr`` values with the active set's where torch has it (CUDA builds), else
+a tuple of them built in Python and compared.
 """
 
 from __future__ import annotations
@@ -56,7 +63,10 @@ class WeightSets:
         else:
             getter = operator.itemgetter(*static_indices)
             self.addresses = lambda args: tuple(map(_data_ptr, getter(args)))
-        self._sets: dict[tuple, WeightSet] = {}
+        self._sets: dict[tuple, WeightSet] = {}  # least recently activated first
+        self._created = 0  # sets made so far (the next one's number - 1)
+        self.replaced = 0  # sets dropped past the bound for a newer one
+        self._refused: tuple | None = None  # the new addresses of the last refused call, since a switch
         self.active_addresses: tuple | None = None
         self.active: WeightSet | None = None
 
@@ -73,13 +83,26 @@ class WeightSets:
         return self.addresses(args) == self.active_addresses
 
     def find(self, addresses: tuple) -> WeightSet | None:
-        """The set of these addresses: known, or new while under the bound; None past the bound."""
+        """The set of these addresses: known; new while under the bound; new past it when a call
+        with the same addresses was refused before and no other set was made active since (then the
+        least recently used set is dropped, with its graphs). None otherwise: the call runs
+        un-graphed."""
         found = self._sets.get(addresses)
-        if found is None and len(self._sets) < self.limit:
-            found = self._sets[addresses] = WeightSet(len(self._sets) + 1)
+        if found is not None:
+            return found
+        if len(self._sets) >= self.limit:
+            if addresses != self._refused:
+                self._refused = addresses
+                return None
+            del self._sets[next(iter(self._sets))]  # least recently activated first (activate() reorders)
+            self.replaced += 1
+        self._created += 1
+        found = self._sets[addresses] = WeightSet(self._created)
         return found
 
     def activate(self, addresses: tuple, weight_set: WeightSet) -> None:
+        self._sets[addresses] = self._sets.pop(addresses)  # now the most recently used
+        self._refused = None
         self.active_addresses, self.active = addresses, weight_set
         if self._indices:
             self._active_ptrs = [None] * (max(self._indices) + 1)
