@@ -81,6 +81,7 @@ def pytest_summary(junit_path: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit")
+    parser.add_argument("--tests-selection", help="with --junit: which tests ran, when not all (pytest's -m/-k)")
     parser.add_argument("--capture")
     parser.add_argument("--suite")
     parser.add_argument("--host", help="host_breakdown.py's JSON")
@@ -101,7 +102,8 @@ def main() -> None:
     given = (("tests", args.junit), ("suite", args.suite), ("host", args.host))
     drop_stale_notes(result, digest, {part for part, path in given if path})
     if args.junit:
-        result["tests"] = {**pytest_summary(args.junit), "code_hash": digest}
+        selection = {"selection": args.tests_selection} if args.tests_selection else {}
+        result["tests"] = {**pytest_summary(args.junit), **selection, "code_hash": digest}
     if args.suite:
         suite = json.loads(pathlib.Path(args.suite).read_text())
         for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them

@@ -241,6 +241,21 @@ def test_notes_about_an_earlier_run_go_when_its_rows_do():
     assert "host_breakdown_more" not in stale_only
 
 
+def test_a_tests_run_of_a_selection_says_which(tmp_path):
+    """A device run of some of the CUDA tests must not read as the whole suite's result."""
+    import json
+
+    junit = tmp_path / "pytest.xml"
+    junit.write_text('<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
+    out = tmp_path / "h200.json"
+    for selection in ([], ["--tests-selection", "-m cuda -k 'not hf'"]):
+        _run_script(["record.py", "--junit", str(junit), "--previous", str(tmp_path / "none.json"), "--out",
+                     str(out), *selection])
+        tests = json.loads(out.read_text())["tests"]
+        assert (tests["passed"], tests["failed"], tests["skipped"]) == (3, 1, 1)
+        assert tests.get("selection") == (selection[1] if selection else None), tests
+
+
 def test_rows_say_what_shared_their_process_and_its_limit():
     args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
     rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
