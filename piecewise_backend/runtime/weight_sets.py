@@ -5,13 +5,13 @@ Captured graphs read parameters and buffers in place, at the addresses they had 
 called with a second model's weights, those addresses change. Copying the new values into the
 captured tensors would be cheap and wrong: those tensors belong to the user (model A would silently
 take model B's weights). So each distinct *set* of addresses gets graphs of its own, captured on
-first sight like a new batch size, for up to ``max_weight_sets`` sets per compiled graph; calls with
-a further set run un-graphed. Each set's graphs are only ever replayed with every parameter at the
+first sight like a new batch size, for up to ``max_weight_sets`` sets per compiled graph (past that,
+see below). Each set's graphs are only ever replayed with every parameter at the
 address it was captured with, so a replay reads exactly what the caller passed.
 
 Re-capturing costs one capture per size in use (milliseconds per size on the H200); running
 un-graphed costs the launch overhead on every step, so re-capturing wins after a few steps. Past the
-bound, a new set gets graphs when it comes on a second call with no other set used in between,
+bound, a new set gets graphs when it comes on a second call with no other set made active in between,
 replacing the least recently used set (its graphs are released). Why: transformers' ``generate()``
 makes a new static cache per call, so a decode graph meets a new set of cache addresses at every
 ``generate()``; a fixed bound left every call after the fourth un-graphed. Addresses that are new at
