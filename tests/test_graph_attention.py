@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from piecewise_backend.decode.graph_attention import prefix_attention
+from piecewise_backend.decode.step_scalars import StepScalars
 from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \
@@ -186,6 +187,58 @@ def test_an_attention_length_past_the_buffer_is_refused(one_graph_decode):
     args[position.arg] = CFG.max_seq
     with pytest.raises(IndexError, match=rf"needs 0 <= {position.name} <= 31; got {position.name} = 32.*outside"):
         scalars.refresh(tuple(args))  # the read of the RoPE row and the write at pos refuse first
+
+
+def test_the_next_decode_position_is_written_ahead_of_its_call(one_graph_decode, monkeypatch):
+    """From a sequence's third decode step on, a step's position is already on the device when the
+    step is called (written while the step before ran), and the step writes only the next one."""
+    compiled, reference, start, _ = one_graph_decode
+    scalars = busiest_graph(start).step_scalars
+    log = []
+    refresh, write = StepScalars.refresh, StepScalars._write
+
+    def logged_refresh(self, args):
+        if self is scalars:
+            log.append(("call", [args[s.arg] for s in self.slots]))
+        return refresh(self, args)
+
+    def logged_write(self, values):
+        if self is scalars:
+            log.append(("write", list(values)))
+        write(self, values)
+
+    monkeypatch.setattr(StepScalars, "refresh", logged_refresh)
+    monkeypatch.setattr(StepScalars, "_write", logged_write)
+    with torch.no_grad():
+        got = llama_decode(compiled, compiled._orig_mod, batch=2, prompt=5, new_tokens=7)
+        want = llama_decode(reference, reference, batch=2, prompt=5, new_tokens=7)
+    assert_close_steps(got, want)
+    j = next(j for j, s in enumerate(scalars.slots) if s.high == CFG.max_seq - 1)  # pos (the other: the batch)
+    calls = [i for i, (kind, _) in enumerate(log) if kind == "call"]
+    assert [log[i][1][j] for i in calls] == list(range(5, 5 + len(calls))) and len(calls) >= 5, log
+    for i in calls[2:]:
+        values = log[i][1]
+        ahead = values[:j] + [values[j] + 1] + values[j + 1:]
+        assert log[i - 1] == ("write", values), log  # written ahead, by the step before
+        assert log[i + 1] == ("write", ahead), log  # no write of its own: only the next one's
+    assert scalars.tensor[1 + j].item() == log[calls[-1]][1][j] + 1
+
+
+def test_a_position_is_not_written_ahead_past_its_bound(one_graph_decode):
+    scalars = busiest_graph(one_graph_decode[2]).step_scalars
+    j = next(j for j, s in enumerate(scalars.slots) if s.high == CFG.max_seq - 1)
+    args = [None] * (1 + max(s.arg for s in scalars.slots))
+    for slot in scalars.slots:
+        args[slot.arg] = slot.low
+    last = CFG.max_seq - 1
+    # a repeated position is not a step; the last position's next would be past the buffer
+    for position, expected in ((last - 2, last - 2), (last - 2, last - 2), (last - 1, last), (last, last)):
+        args[scalars.slots[j].arg] = position
+        scalars.refresh(tuple(args))
+        scalars.write_ahead()
+        held = scalars.tensor[1:].tolist()
+        assert held[j] == expected, (position, held)
+        assert all(held[k] == scalars.slots[k].low for k in range(len(held)) if k != j)
 
 
 class _GqaDecode(torch.nn.Module):

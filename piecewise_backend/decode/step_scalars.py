@@ -10,6 +10,15 @@ One slot per per-step int, whatever constants its readers add (``pos`` for the w
 for the attention's length): the graph adds them. Why: each ``fill_`` is a kernel launch from the
 host on every decode step (~5 µs on the H200 machine); an add in the graph costs next to nothing.
 
+**Written ahead.** A slot that went up by one since the previous call (a decode position) is
+written for the *next* call as soon as this call's kernels are enqueued (:meth:`StepScalars.write_ahead`),
+so a decode step's ``fill_`` is launched while the GPU runs the step before, not between the call
+and its replay, where a step that waits for its tokens pays for it (~10 µs of a batch-1 step's
+host time on the H200 machine). Stream order keeps it right: the write comes after every kernel of
+this call that reads the slot and before any of the next. A call whose values differ from what was
+written ahead (a new sequence, a jump) writes them before it runs, as it did without this. A guess
+past a slot's bounds is not written: up-front capture may read the tensor between calls.
+
 Slot 0 is the *enable* flag: up-front capture runs compute pieces on made-up inputs and sets it to
 0, and every rewritten write then puts back what it read.
 """
@@ -68,15 +77,17 @@ class StepScalars:
         with torch.inference_mode(False):  # a normal tensor: filled in place under any grad mode
             self.tensor = torch.ones(1 + len(slots), dtype=torch.int64, device=device)
             self._views = [self.tensor[j] for j in range(1 + len(slots))]
-        self._last: list = [None] * len(slots)
+        self._held: list = [None] * len(slots)  # what the device tensor holds once the queued writes ran
+        self._called: list | None = None  # this call's values
+        self._before: list | None = None  # the previous call's
 
     def refresh(self, args: tuple) -> tuple:
-        """Check this call's positions, write the changed ones to the device; ``args`` + the tensor.
+        """Check this call's positions, write the ones the device does not hold; ``args`` + the tensor.
 
         All are checked before any is written: a refused call leaves the device tensor as it was.
         """
         values = [args[slot.arg] for slot in self.slots]
-        if values != self._last:
+        if values != self._held:
             for slot, value in zip(self.slots, values):
                 if not slot.low <= value <= slot.high:
                     name = slot.name
@@ -84,11 +95,26 @@ class StepScalars:
                                      f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
                                      f"raises a shape error here too): make the buffer larger or stop before "
                                      f"its end.")
-            for j, (value, old) in enumerate(zip(values, self._last)):
-                if value != old:
-                    self._views[1 + j].fill_(value)
-            self._last = values
+            self._write(values)
+        self._before, self._called = self._called, values
         return (*args, self.tensor)
+
+    def write_ahead(self) -> None:
+        """After a call's kernels are enqueued: write the next call's values where they are easy to
+        guess (a slot one up on the previous call's goes one up again; see "Written ahead")."""
+        called, before = self._called, self._before
+        if called is None or before is None:
+            return
+        ahead = [value + 1 if value == old + 1 and value < slot.high else value
+                 for slot, value, old in zip(self.slots, called, before)]
+        if ahead != called:
+            self._write(ahead)
+
+    def _write(self, values: list) -> None:
+        for j, (value, held) in enumerate(zip(values, self._held)):
+            if value != held:
+                self._views[1 + j].fill_(value)
+        self._held = values
 
     @contextlib.contextmanager
     def writes_disabled(self):

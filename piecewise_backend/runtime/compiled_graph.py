@@ -5,7 +5,8 @@ each compute piece of the split graph is replaced by a
 :class:`~piecewise_backend.runtime.piece_runner.PieceRunner`, the eager pieces run as they are
 between the replays. Per call, in order:
 
-1. the step scalars are refreshed (the decode rewrite's positions, checked on the host);
+1. the step scalars are refreshed (the decode rewrite's positions, checked on the host; after the
+   call, the next decode position is written ahead);
 2. un-graphed if graphs are off for this graph or grad is needed;
 3. the parameters' addresses choose the set of graphs (``weight_sets.py``);
 4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Plan`: replay a captured
@@ -117,8 +118,12 @@ class CompiledGraph:
 
     def __call__(self, *args):
         if self._sdpa_backends is None:
-            return self._dispatch(args)
-        return self._sdpa_backends.call(self._dispatch, (args,))
+            out = self._dispatch(args)
+        else:
+            out = self._sdpa_backends.call(self._dispatch, (args,))
+        if self.step_scalars is not None:
+            self.step_scalars.write_ahead()  # the next decode position, while the GPU runs this step
+        return out
 
     def _dispatch(self, args: tuple):
         if self.step_scalars is not None:
