@@ -81,7 +81,7 @@ import torch
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
 from piecewise_backend.runtime.devices import synchronize
-from timing import time_decode, timed
+from timing import host_probe_us, time_decode, timed
 from toys.idioms import WholeCacheLlama
 from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
@@ -502,14 +502,18 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
                         row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[],
-                                   sm_clock_mhz_rounds=[], pipelined_ms_rounds=[])
+                                   host_probe_us_rounds=[], sm_clock_mhz_rounds=[], pipelined_ms_rounds=[])
                     except Exception as exc:  # a failure is a result, not a skip
                         row.update(step_ms=None, first_call_s=None, error=_error(exc))
-                for _ in range(args.rounds):
+                for round_ in range(args.rounds):
+                    if round_ and getattr(args, "pause", 0):
+                        time.sleep(args.pause)  # rounds seconds apart meet the host's spells apart
                     for variant, measure in list(measures.items()):
                         row = batch_rows[variant]
                         try:
+                            probe = host_probe_us()
                             step_ms, host_ms = measure()
+                            row["host_probe_us_rounds"].append(round(max(probe, host_probe_us()), 2))
                             row["step_ms_rounds"].append(round(step_ms, 4))
                             row["host_ms_rounds"].append(round(host_ms, 4))
                             row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
@@ -531,12 +535,40 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 pipelined = row.get("pipelined_ms_rounds")
                 row["pipelined_ms"] = round(statistics.median(pipelined), 4) \
                     if ok and pipelined and "pipelined_error" not in row else None
+            fast_host_times(list(batch_rows.values()))
             _mark_process(list(batch_rows.values()), args)
             for row in batch_rows.values():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             _save(args)
     return rows
+
+
+# a round met the host at full speed when its probe took at most this times the batch's fastest
+# probe (the machine's slow spells are ~3×: see ``timing.host_probe_us``)
+FAST_HOST = 1.3
+
+
+def fast_host_times(rows: list[dict]) -> None:
+    """Add to each interleaved row the median of the rounds timed while the host ran at full speed:
+    ``step_ms_fast_host`` over ``fast_host_rounds`` of its rounds (None when none was).
+
+    "Full speed" is relative to the same batch's fastest probe, over every variant's rounds: a
+    round is fast when the probes just before and after it took at most ``FAST_HOST`` times that.
+    ``step_ms`` (every round) stays the row's main figure; this one says what the backend costs
+    on the host the machine has when it is not slowed, the reading a quieter machine would give.
+    """
+    probes = [p for r in rows if "error" not in r for p in r.get("host_probe_us_rounds") or ()]
+    if not probes:
+        return
+    fastest = min(probes)
+    for row in rows:
+        times = row.get("step_ms_rounds")
+        if not times or "error" in row:
+            continue
+        fast = [t for t, p in zip(times, row["host_probe_us_rounds"]) if p <= FAST_HOST * fastest]
+        row["fast_host_rounds"] = len(fast)
+        row["step_ms_fast_host"] = round(statistics.median(fast), 4) if fast else None
 
 
 _RESULT: dict = {}
@@ -626,6 +658,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=1,
                         help="> 1: compile every variant first, then time them in turn, this many rounds")
+    parser.add_argument("--pause", type=float, default=0.0, help="seconds between interleaved rounds")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")

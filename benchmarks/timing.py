@@ -56,3 +56,27 @@ def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, t
         times.append(ms)
         pos += 1
     return statistics.median(times[steps // 2:]), first_call
+
+
+def _probe_work() -> int:
+    table = {}
+    for i in range(200):
+        table[i] = (i, i * 2)
+    return sum(a + b for a, b in table.values())
+
+
+def host_probe_us(reps: int = 15) -> float:
+    """How fast the host runs Python right now: the median µs of a fixed piece of pure Python.
+
+    Why: the H200 machine's host runs at two speeds ~3× apart, switching every few seconds (in a
+    slow spell a decode step's thread CPU time equals its wall time and no other process is busy:
+    the CPU itself is slower, not our thread preempted; code hash ``6b12b66c…``). A decode step
+    timed in a slow spell measures the machine: even the limit's one ``replay()`` takes 15 µs to
+    enqueue instead of 5. Timed next to each run, this says which runs met the slow host.
+    """
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        _probe_work()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6

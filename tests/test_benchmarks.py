@@ -71,6 +71,8 @@ def test_interleaved_rounds_time_every_variant_each_round():
         assert len(rows[variant]["host_ms_rounds"]) == 3
         assert len(rows[variant]["pipelined_ms_rounds"]) == 3, rows[variant]
         assert rows[variant]["pipelined_ms"] == round(statistics.median(rows[variant]["pipelined_ms_rounds"]), 4)
+        assert len(rows[variant]["host_probe_us_rounds"]) == 3 and 0 <= rows[variant]["fast_host_rounds"] <= 3
+    assert max(rows[v]["fast_host_rounds"] for v in ("eager", "piecewise")) >= 1  # the fastest probe's round
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
@@ -173,6 +175,34 @@ def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
         reset_caches(model)  # the limit's own warm-up started from empty caches too
         expected = model(ids, pos)
     torch.testing.assert_close(logits.float(), expected.float(), atol=0.1, rtol=0.05)
+
+
+def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
+    """A round whose host probe took more than ``FAST_HOST`` times the batch's fastest probe (any
+    variant's) met a slowed host: ``step_ms_fast_host`` is the median of the other rounds, and the
+    ratio to the limit's own fast-host time is reported beside the all-rounds one."""
+    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.71,
+             "step_ms_rounds": [0.70, 0.71, 0.73], "host_probe_us_rounds": [10.0, 11.0, 30.0]},
+            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 1.0,
+             "step_ms_rounds": [0.84, 1.0, 1.02, 0.86], "host_probe_us_rounds": [12.5, 29.0, 31.0, 13.0]},
+            {"model": "m", "variant": "eager", "batch": 1, "step_ms": 5.0,
+             "step_ms_rounds": [5.0, 5.1], "host_probe_us_rounds": [27.0, 28.0]},
+            {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom",
+             "step_ms_rounds": [], "host_probe_us_rounds": [1.0]}]  # an error row's probes do not count
+    suite.fast_host_times(rows)
+    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
+        [(2, 0.705), (2, 0.85), (0, None), (None, None)]
+    ratios = {r["variant"]: r for r in plot.ratios_to_limit(rows)}
+    assert ratios["piecewise"]["vs_limit"] == round(1.0 / 0.71, 3)
+    assert ratios["piecewise"]["vs_limit_fast_host"] == round(0.85 / 0.705, 3)
+    assert "vs_limit_fast_host" not in ratios["eager"]
+    assert "| piecewise | 1.21× |" in plot.ratio_table(rows, "step_ms_fast_host")
+
+
+def test_host_probe_times_python_in_microseconds():
+    from benchmarks.timing import host_probe_us
+
+    assert 0 < host_probe_us(reps=3) < 1e5
 
 
 def test_ratios_to_limit_and_table():
