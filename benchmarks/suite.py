@@ -45,6 +45,13 @@ read right after). ``--rounds N`` (N > 1): per batch, every variant is
 compiled and warmed up first, then timed in turn N times (``step_ms``: the median of the rounds),
 so a slow spell of the machine hits all variants alike.
 
+The host's speed. The H200 machine's CPU runs at two speeds ~3× apart, switching every few seconds
+(``timing.host_probe_us``). Each timed run has a host probe just before and after it
+(``host_probe_us_rounds``: the slower of the two); ``step_ms_fast_host`` is the median of the rounds
+whose probe was within ``FAST_HOST`` of the fastest, and ``vs_limit_fast_host`` its ratio. ``--pause S``
+puts S seconds between rounds; ``--settle S`` lets a timed run wait up to S seconds for the host
+to be at full speed (after S seconds of probing first, to learn that speed).
+
 Two views of a step. ``step_ms`` waits for each step before starting the next (a server that reads
 every token on the host before the next step), so host work before a replay adds to the step.
 ``pipelined_ms`` lets the host run ahead (a server that samples on the GPU and reads tokens later):
@@ -488,6 +495,11 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     variant's graphs at once (told apart by its backend check; the recompile limit is raised).
     """
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    settle = getattr(args, "settle", 0)
+    deadline = time.perf_counter() + settle
+    while time.perf_counter() < deadline:  # learn the host's full speed before the first round waits for it
+        _probe()
+        time.sleep(0.05)
     for key in args.models:
         model, twin = models_for(key, args, device)
         for batch in args.batches:
@@ -511,9 +523,9 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                     for variant, measure in list(measures.items()):
                         row = batch_rows[variant]
                         try:
-                            probe = host_probe_us()
+                            probe = settled_probe(getattr(args, "settle", 0))
                             step_ms, host_ms = measure()
-                            row["host_probe_us_rounds"].append(round(max(probe, host_probe_us()), 2))
+                            row["host_probe_us_rounds"].append(round(max(probe, _probe()), 2))
                             row["step_ms_rounds"].append(round(step_ms, 4))
                             row["host_ms_rounds"].append(round(host_ms, 4))
                             row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
@@ -535,7 +547,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 pipelined = row.get("pipelined_ms_rounds")
                 row["pipelined_ms"] = round(statistics.median(pipelined), 4) \
                     if ok and pipelined and "pipelined_error" not in row else None
-            fast_host_times(list(batch_rows.values()))
+            fast_host_times(list(batch_rows.values()), _FASTEST_PROBE[0])
             _mark_process(list(batch_rows.values()), args)
             for row in batch_rows.values():
                 print(json.dumps(row), flush=True)
@@ -549,19 +561,41 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
 FAST_HOST = 1.3
 
 
-def fast_host_times(rows: list[dict]) -> None:
+_FASTEST_PROBE = [float("inf")]  # the fastest host probe of this process, µs
+
+
+def _probe() -> float:
+    probe = host_probe_us()
+    _FASTEST_PROBE[0] = min(_FASTEST_PROBE[0], probe)
+    return probe
+
+
+def settled_probe(wait_s: float) -> float:
+    """A host probe (µs); with ``wait_s`` > 0, probed again every 50 ms while the host runs slower
+    than ``FAST_HOST`` times the fastest probe so far, for up to ``wait_s`` seconds (``--settle``):
+    a timed run then starts, where it can, on a host at full speed."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        probe = _probe()
+        if probe <= FAST_HOST * _FASTEST_PROBE[0] or time.perf_counter() >= deadline:
+            return probe
+        time.sleep(0.05)
+
+
+def fast_host_times(rows: list[dict], fastest: float = float("inf")) -> None:
     """Add to each interleaved row the median of the rounds timed while the host ran at full speed:
     ``step_ms_fast_host`` over ``fast_host_rounds`` of its rounds (None when none was).
 
-    "Full speed" is relative to the same batch's fastest probe, over every variant's rounds: a
-    round is fast when the probes just before and after it took at most ``FAST_HOST`` times that.
-    ``step_ms`` (every round) stays the row's main figure; this one says what the backend costs
-    on the host the machine has when it is not slowed, the reading a quieter machine would give.
+    "Full speed" is relative to the fastest probe: ``fastest`` (the process's) or the rows' own,
+    whichever is less. A round is fast when the probes just before and after it took at most
+    ``FAST_HOST`` times that. ``step_ms`` (every round) stays the row's main figure; this one says
+    what the backend costs on the host the machine has when it is not slowed, the reading a
+    quieter machine would give.
     """
     probes = [p for r in rows if "error" not in r for p in r.get("host_probe_us_rounds") or ()]
     if not probes:
         return
-    fastest = min(probes)
+    fastest = min(fastest, *probes)
     for row in rows:
         times = row.get("step_ms_rounds")
         if not times or "error" in row:
@@ -569,6 +603,7 @@ def fast_host_times(rows: list[dict]) -> None:
         fast = [t for t, p in zip(times, row["host_probe_us_rounds"]) if p <= FAST_HOST * fastest]
         row["fast_host_rounds"] = len(fast)
         row["step_ms_fast_host"] = round(statistics.median(fast), 4) if fast else None
+        row["host_probe_fastest_us"] = round(fastest, 2)
 
 
 _RESULT: dict = {}
@@ -659,6 +694,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="> 1: compile every variant first, then time them in turn, this many rounds")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between interleaved rounds")
+    parser.add_argument("--settle", type=float, default=0.0,
+                        help="seconds a timed run may wait for the host to run at full speed (settled_probe)")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")

@@ -190,8 +190,13 @@ def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
             {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom",
              "step_ms_rounds": [], "host_probe_us_rounds": [1.0]}]  # an error row's probes do not count
     suite.fast_host_times(rows)
+    suite.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
+    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
+        [(1, 0.70), (0, None), (0, None), (None, None)]
+    suite.fast_host_times(rows)
     assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
         [(2, 0.705), (2, 0.85), (0, None), (None, None)]
+    assert rows[0]["host_probe_fastest_us"] == 10.0
     ratios = {r["variant"]: r for r in plot.ratios_to_limit(rows)}
     assert ratios["piecewise"]["vs_limit"] == round(1.0 / 0.71, 3)
     assert ratios["piecewise"]["vs_limit_fast_host"] == round(0.85 / 0.705, 3)
@@ -203,6 +208,17 @@ def test_host_probe_times_python_in_microseconds():
     from benchmarks.timing import host_probe_us
 
     assert 0 < host_probe_us(reps=3) < 1e5
+
+
+def test_a_settled_probe_waits_for_the_host_at_full_speed(monkeypatch):
+    """Probes slower than ``FAST_HOST`` times the fastest so far are taken again, up to the wait."""
+    probes = iter([10.0, 30.0, 29.0, 11.0, 40.0])
+    monkeypatch.setattr(suite, "host_probe_us", lambda: next(probes))
+    monkeypatch.setattr(suite, "_FASTEST_PROBE", [float("inf")])
+    monkeypatch.setattr(suite.time, "sleep", lambda s: None)
+    assert suite.settled_probe(0) == 10.0
+    assert suite.settled_probe(60) == 11.0  # 30 and 29 waited out
+    assert suite.settled_probe(0) == 40.0  # no wait allowed: the slow probe is what it is
 
 
 def test_ratios_to_limit_and_table():
