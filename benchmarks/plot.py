@@ -1,9 +1,9 @@
-"""Figure and ratio table of a suite run: step time vs batch, one line per variant, log scale
-(and the pipelined view below it, where rows have it).
+"""Figure and ratio tables of a suite run: step time vs batch, one line per variant, log scale
+(and the host-at-full-speed and pipelined views below it, where rows have them).
 
     python benchmarks/plot.py benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
 
-Prints a Markdown table of each variant's step time as a multiple of the limit (the whole step as
+Prints Markdown tables (one per view) of each variant's step time as a multiple of the limit (the whole step as
 one CUDA graph) measured in the same process where the row says so, the table the README shows.
 """
 
@@ -19,9 +19,23 @@ VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partit
                  "dynamo-floor", "limit", "limit-full")
 
 
+PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]) (suite.py)
+
+
+def _base(variant: str) -> str:
+    return variant[:-len(PINNED)] if variant.endswith(PINNED) else variant
+
+
+def in_order(variants) -> list[str]:
+    """``variants`` in ``VARIANT_ORDER``, each ``+pinned-sdpa`` twin right after its variant."""
+    present = set(variants)
+    return [v for base in VARIANT_ORDER for v in (base, base + PINNED) if v in present]
+
+
 def _color_index(variant: str, n: int) -> int:
-    """The dark shades of tab20 first, then the light ones: neighbours in VARIANT_ORDER differ."""
-    i = 2 * VARIANT_ORDER.index(variant)
+    """The dark shades of tab20 first, then the light ones: neighbours in VARIANT_ORDER differ (a
+    pinned twin takes its variant's colour, dotted)."""
+    i = 2 * VARIANT_ORDER.index(_base(variant))
     return i % n + i // n
 
 
@@ -49,14 +63,15 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
     legend: dict = {}
     for axes_row, field in zip(axes, views):
         for ax, model in zip(axes_row, models):
-            for variant in VARIANT_ORDER:
+            for variant in in_order(r["variant"] for r in rows):
                 points = sorted((r["batch"], r[field]) for r in rows
                                 if r["model"] == model and r["variant"] == variant and r.get(field))
                 if points:
                     (line,) = ax.plot(*zip(*points), marker="o", label=variant,
                                       color=colors[_color_index(variant, len(colors))],
                                       linewidth=2.5 if variant.startswith("piecewise") else 1.2,
-                                      linestyle="--" if variant.startswith("limit") else "-")
+                                      linestyle="--" if variant.startswith("limit") else
+                                      ":" if variant.endswith(PINNED) else "-")
                     legend.setdefault(variant, line)
             ax.set_xscale("log", base=2)
             batches = sorted({r["batch"] for r in rows if r["model"] == model})
@@ -66,7 +81,7 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
             ax.set_ylabel("decode step, ms (median)")
             ax.set_title(f"{model}: {VIEW_TITLES[field]}")
             ax.grid(True, which="both", alpha=0.3)
-    ordered = [v for v in VARIANT_ORDER if v in legend]  # every variant of every panel, in one legend
+    ordered = in_order(legend)  # every variant of every panel, in one legend
     axes[0][-1].legend([legend[v] for v in ordered], ordered, fontsize=8, loc="center left",
                        bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
@@ -120,7 +135,7 @@ def ratio_table(rows: list[dict], field: str = "step_ms") -> str:
     lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
              "| --- |" + " ---: |" * len(keys)]
     measured = {r["variant"] for r in rows if r.get(field) or r.get("error")}
-    for variant in (v for v in VARIANT_ORDER if v in measured):  # no line of empty cells
+    for variant in in_order(measured):  # no line of empty cells
         cells = []
         for model, batch in keys:
             row = next((r for r in rows if (r["model"], r["batch"], r["variant"]) == (model, batch, variant)), None)
@@ -147,9 +162,6 @@ def main() -> None:
     for field, title in VIEW_TITLES.items():
         if any(r.get(field) for r in rows):
             print(f"{title}:\n{ratio_table(rows, field)}")
-    if any(r.get("pipelined_ms") for r in rows):
-        print("\npipelined (the host free to run ahead):")
-        print(ratio_table(rows, "pipelined_ms"))
 
 
 if __name__ == "__main__":

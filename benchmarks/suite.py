@@ -92,7 +92,7 @@ from timing import host_probe_us, time_decode, timed
 from toys.idioms import WholeCacheLlama
 from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
-from plot import SAME_PROCESS_LIMIT
+from plot import PINNED, SAME_PROCESS_LIMIT  # PINNED: a variant's +pinned-sdpa twin (docstring)
 
 MODELS = {
     **BENCHMARK_SIZES,
@@ -103,7 +103,6 @@ IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28
 BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
                  "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full",
                  "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
-PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]); see the docstring
 VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
 
 

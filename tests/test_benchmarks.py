@@ -230,6 +230,9 @@ def test_ratios_to_limit_and_table():
     table = plot.ratio_table(rows)
     assert "| piecewise | 1.20× |" in table and "| inductor | error |" in table
     assert "| eager |" not in table  # a variant with no row gets no line
+    rows.append({"model": "m", "variant": "piecewise+pinned-sdpa", "batch": 1, "step_ms": 0.55})
+    lines = plot.ratio_table(rows).splitlines()
+    assert lines[2:5] == ["| inductor | error |", "| piecewise | 1.20× |", "| piecewise+pinned-sdpa | 1.10× |"]
 
 
 def test_ratio_uses_the_limit_of_the_rows_own_process():
