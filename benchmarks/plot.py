@@ -3,8 +3,9 @@
 
     python benchmarks/plot.py benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
 
-Prints Markdown tables (one per view) of each variant's step time as a multiple of the limit (the whole step as
-one CUDA graph) measured in the same process where the row says so, the table the README shows.
+Prints Markdown tables (one per view) of each variant's step time as a multiple of the limit (the
+whole step as one CUDA graph) measured in the same process where the row says so, as the README
+shows them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partit
 PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]) (suite.py)
 
 
-def _base(variant: str) -> str:
+def base_variant(variant: str) -> str:
+    """The variant a ``+pinned-sdpa`` twin is of (a variant itself otherwise)."""
     return variant[:-len(PINNED)] if variant.endswith(PINNED) else variant
 
 
@@ -35,7 +37,7 @@ def in_order(variants) -> list[str]:
 def _color_index(variant: str, n: int) -> int:
     """The dark shades of tab20 first, then the light ones: neighbours in VARIANT_ORDER differ (a
     pinned twin takes its variant's colour, dotted)."""
-    i = 2 * VARIANT_ORDER.index(_base(variant))
+    i = 2 * VARIANT_ORDER.index(base_variant(variant))
     return i % n + i // n
 
 

@@ -92,7 +92,7 @@ from timing import host_probe_us, time_decode, timed
 from toys.idioms import WholeCacheLlama
 from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
     next_tokens, reset_caches, sdpa_backends
-from plot import PINNED, SAME_PROCESS_LIMIT  # PINNED: a variant's +pinned-sdpa twin (docstring)
+from plot import PINNED, SAME_PROCESS_LIMIT, base_variant
 
 MODELS = {
     **BENCHMARK_SIZES,
@@ -104,10 +104,6 @@ BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partit
                  "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full",
                  "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
 VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
-
-
-def base_variant(variant: str) -> str:
-    return variant[:-len(PINNED)] if variant.endswith(PINNED) else variant
 
 
 def sdpa_setting(variant: str, device: str):
