@@ -518,7 +518,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                     for variant, measure in list(measures.items()):
                         row = batch_rows[variant]
                         try:
-                            probe = settled_probe(getattr(args, "settle", 0))
+                            probe = settled_probe(settle)
                             step_ms, host_ms = measure()
                             row["host_probe_us_rounds"].append(round(max(probe, _probe()), 2))
                             row["step_ms_rounds"].append(round(step_ms, 4))
@@ -551,8 +551,8 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     return rows
 
 
-# a round met the host at full speed when its probe took at most this times the batch's fastest
-# probe (the machine's slow spells are ~3×: see ``timing.host_probe_us``)
+# a round met the host at full speed when its probe took at most this times the fastest probe
+# (the process's, or its rows' own: ``fast_host_times``; the slow spells are ~3×: ``timing.host_probe_us``)
 FAST_HOST = 1.3
 
 
