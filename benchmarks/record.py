@@ -2,7 +2,8 @@
 
     python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
                                 [--host host.json] [--ab ab.json] [--fuzz fuzz.json]
-                                [--moved-weights moved_weights.json] [--hf hf.json] --out h200.json
+                                [--moved-weights moved_weights.json] [--hf hf.json] [--threads threads.json]
+                                --out h200.json
 
 Each part replaces only the keys it produces, so a run split over several device calls accumulates
 in one file.
@@ -90,6 +91,7 @@ def main() -> None:
     parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
     parser.add_argument("--hf", help="hf_generate.py's JSON")
     parser.add_argument("--kernel", help="attention_kernel.py's JSON")
+    parser.add_argument("--threads", help="threads.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -127,6 +129,8 @@ def main() -> None:
         hf = json.loads(pathlib.Path(args.hf).read_text())
         result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "cache", "batch", "variant"), digest)
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
+    if args.threads:
+        result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}
     if args.kernel:
         result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
     if args.capture:

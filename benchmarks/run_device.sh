@@ -10,6 +10,7 @@
 #   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
 #   bash benchmarks/run_device.sh hf [ARGS...]      # hf_generate.py ARGS: transformers generate() ms/token
 #   bash benchmarks/run_device.sh kernel            # attention_kernel.py: the decode attention kernel vs SDPA
+#   bash benchmarks/run_device.sh threads [ARGS...] # threads.py ARGS: captures beside other threads, concurrent callers
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
 #                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
@@ -63,10 +64,14 @@ case "$part" in
     timeout "${SUITE_TIMEOUT:-540}" python benchmarks/hf_generate.py --out "$OUT/hf.json" "$@" 2>&1 \
       | tee "$OUT/hf.log" | grep '^{'
     record --hf "$OUT/hf.json" ;;
+  threads)
+    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/threads.py --out "$OUT/threads.json" "$@" 2>&1 \
+      | tee "$OUT/threads.log" | grep '^{'
+    record --threads "$OUT/threads.json" ;;
   kernel)
     (cd benchmarks && python attention_kernel.py --json "$OUT/kernel.json") 2>&1 | grep -v Warning | tee "$OUT/kernel.log"
     record --kernel "$OUT/kernel.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights, hf, kernel or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights, hf, kernel, threads or ab" >&2; exit 2 ;;
 esac

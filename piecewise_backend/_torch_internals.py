@@ -48,6 +48,29 @@ def fake_propagation(fake_mode):
     return stack
 
 
+class RandomOpsSeen:
+    """A dispatch mode that notes whether any ATen op it sees draws random numbers (``.seen``).
+
+    The ``nondeterministic_seeded`` tag is how torch marks such ops (``randn``, ``bernoulli``,
+    ``native_dropout``, ``multinomial``...); composite ops reach it decomposed. Used around a piece's
+    fake run, under Dynamo's fake mode. ``TorchDispatchMode`` is torch's own way to watch ops
+    (``torch.utils._python_dispatch``, same on 2.11 and 2.13).
+    """
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Mode(TorchDispatchMode):
+            seen = False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                    self.seen = True
+                return func(*args, **(kwargs or {}))
+
+        return _Mode()
+
+
 def warm_compile_workers() -> None:
     """Start Inductor's pool of compile worker processes now, as its own backend does on entry.
 
@@ -154,6 +177,13 @@ def free_cublas_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
+def current_raw_stream(device_index: int) -> int:
+    """The caller's current CUDA stream on a device, as CUDA's handle (an int): what Inductor's
+    generated code reads per kernel launch (``get_raw_stream``), far cheaper than building a
+    ``torch.cuda.Stream`` to compare (checked on torch 2.11 and 2.13)."""
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
 def data_ptrs_check() -> Callable[[list, list, list], bool] | None:
     """torch's C++ check ``(tensors, data_ptrs, indices) -> bool``: does ``tensors[i].data_ptr()``
     equal ``data_ptrs[i]`` for every ``i`` in ``indices``? None where torch lacks it (CPU builds).
@@ -170,6 +200,17 @@ def data_ptrs_check() -> Callable[[list, list, list], bool] | None:
 def is_static_input(node: torch.fx.Node) -> bool:
     """Did Dynamo mark this graph input as a parameter/buffer with a fixed address?"""
     return "_dynamo_static_input_type" in node.meta.get("tensor_dict", {})
+
+
+def is_python_scalar_input(node: torch.fx.Node) -> bool:
+    """Is this graph input a Python float that Dynamo passes as a 0-dim CPU tensor?
+
+    Under ``dynamic=True`` (``specialize_float=False``, the default) Dynamo makes each float it meets
+    (``eps`` of every norm, attention's ``scaling``) a graph input, a float64 scalar tensor built per
+    call, read by ``.item()`` in the graph and guarded only on its type. ``GraphArg.pass_arg_as_tensor``
+    marks them (checked on torch 2.11 and 2.13).
+    """
+    return bool(getattr(node.meta.get("grapharg"), "pass_arg_as_tensor", False))
 
 
 def generated_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:

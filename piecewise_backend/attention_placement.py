@@ -82,12 +82,16 @@ def query_symbols(graph: torch.fx.Graph, is_attention) -> set:
 
 
 def _symbols(node: torch.fx.Node) -> set:
-    """The symbols in ``node``'s sizes and in the ints it reads (``arange(1) + past_length``)."""
+    """The symbols in ``node``'s sizes and in the ints it reads (``arange(1) + past_length``).
+
+    Integer symbols only: a float symbol (``eps`` in ``h * rsqrt(var + eps)``, a SymFloat since Dynamo
+    makes one of a module's float attributes under ``dynamic=True``) is a value, not a length;
+    counted as one, it sent a whole RMSNorm-QKV chain beside the attention."""
     out = facts.value_symbols(facts.example_value(node), with_offset=False)
     for arg in node.all_input_nodes:
         if facts.is_sym_node(arg):
             out |= facts.value_symbols(facts.example_value(arg))
-    return out
+    return {s for s in out if s.is_integer}
 
 
 def beside_attention(graph: torch.fx.Graph, is_compute, is_attention) -> dict:

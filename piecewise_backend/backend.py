@@ -94,7 +94,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
         static_names |= written_in_place(gm.graph, steps) | kv_written_inputs(gm.graph, steps)
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
-    off = graphs_disabled_reason(config, example_inputs)
+    off = graphs_disabled_reason(config, example_inputs, python_scalars=facts.python_scalar_inputs(gm.graph))
     mark_attention_paths(gm.graph, static_names, facts.step_symbols(gm.graph),
                          off or (None if config.graph_attention else "graph_attention=False in options"))
     found = None
@@ -128,7 +128,8 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 def _log_built(graph: CompiledGraph, plan: GraphPlan, config: PiecewiseConfig) -> None:
     stats, pieces = graph.stats, plan.split.pieces
-    devices = {v.device.type for v in plan.inputs.fake_inputs if isinstance(v, torch.Tensor)}
+    devices = {v.device.type for i, v in enumerate(plan.inputs.fake_inputs)
+               if isinstance(v, torch.Tensor) and i not in plan.inputs.python_scalars}
     if plan.graphs_disabled_reason is not None and "cuda" in devices and len(devices) > 1:
         # a CUDA model with a stray input elsewhere (a CPU counter in a cache object): the user did not
         # ask for eager, so say it loudly (a CPU-only model is un-graphed by nature: no warning)

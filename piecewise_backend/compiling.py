@@ -31,6 +31,8 @@ class CompiledPiece:
     structural_key: str
     shared_with: str  # name of the first piece compiled with this code (itself if it was first)
     inductor_code: str | None = None  # the module Inductor generated (shared with ``shared_with``)
+    draws_random: bool = False  # it calls an op that draws from the default generator (a graph must advance it)
+    eager: Callable[..., Any] | None = None  # the piece's FX code, run as it is if the compiled code raises
 
 
 def _describe_value(v) -> str:
@@ -95,15 +97,17 @@ class PieceCompiler:
     def compile(self, name: str, gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
         fake_args = [_sanitize_fake_arg(a, self.step_symbols, self.fake_mode) for a in fake_args]
         key = structural_key(gm, fake_args)
+        # the piece as Dynamo traced it, before Inductor's passes rewrite ``gm`` in place
+        eager = _torch_internals.generated_forward(_torch_internals.copy_graph_module(gm))
         if key in self._by_key:
             fn, first, code = self._by_key[key]
-            return CompiledPiece(fn, fake_args, key, first, code)
+            return CompiledPiece(fn, fake_args, key, first, code, eager=eager)
         start = time.perf_counter()
         fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
         self.inductor_seconds += time.perf_counter() - start
         self.inductor_compiles += 1
         self._by_key[key] = (fn, name, code)
-        return CompiledPiece(fn, fake_args, key, name, code)
+        return CompiledPiece(fn, fake_args, key, name, code, eager=eager)
 
 
 class _FakeRun(torch.fx.Interpreter):
@@ -122,10 +126,12 @@ class _FakeRun(torch.fx.Interpreter):
     def call_module(self, target, args, kwargs):
         assert not kwargs
         submod = self.fetch_attr(target)
-        out = submod(*args)  # before compiling: Inductor may rewrite the graph it is given
+        watch = _torch_internals.RandomOpsSeen()
+        with watch:
+            out = submod(*args)  # before compiling: Inductor may rewrite the graph it is given
         self.fake_outputs[target] = out
         if target in self.compute_names:
-            self.on_compute(target, submod, list(args))
+            self.on_compute(target, submod, list(args), watch.seen)
         return out
 
 
@@ -138,8 +144,8 @@ def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake
     """
     compiled: dict[str, CompiledPiece] = {}
 
-    def on_compute(name, submod, fake_args):
-        compiled[name] = compiler.compile(name, submod, fake_args)
+    def on_compute(name, submod, fake_args, draws_random):
+        compiled[name] = dataclasses.replace(compiler.compile(name, submod, fake_args), draws_random=draws_random)
 
     with _torch_internals.fake_propagation(compiler.fake_mode):
         run = _FakeRun(split_gm, compute_names, on_compute)

@@ -64,6 +64,22 @@ def placeholders(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if n.op == "placeholder"]
 
 
+def python_scalar_inputs(graph: torch.fx.Graph) -> frozenset:
+    """Indices of the inputs that are Python floats passed as 0-dim CPU tensors (``dynamic=True``).
+
+    They are host values, not device data: a CUDA graph keeps the value it was captured with, so
+    the shape key holds their values (``plan.ShapeKey``), and they do not make a CUDA graph "mixed
+    device" (a float ``eps`` would otherwise turn every graph of a ``dynamic=True`` model off).
+    """
+    out = set()
+    for i, node in enumerate(placeholders(graph)):
+        value = example_value(node)
+        if _torch_internals.is_python_scalar_input(node) and isinstance(value, torch.Tensor) and \
+                value.dim() == 0 and value.device.type == "cpu":
+            out.add(i)
+    return frozenset(out)
+
+
 def step_symbols(graph: torch.fx.Graph) -> frozenset:
     """Symbols of SymInt inputs that no input tensor's shape mentions: per-step scalars."""
     shape_syms: set = set()

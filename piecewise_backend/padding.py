@@ -78,6 +78,9 @@ def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePaddin
                 return f"{name}: output {j} has shape {tuple(value.shape)}, not one plain batch dim"
             out_dims.append(dims[0] if dims else None)
         else:
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
+                    sym in sym_expr(value).free_symbols:  # a graph keeps the padded size's value
+                return f"{name}: output {j} is a number computed from the batch size ({sym_expr(value)})"
             out_dims.append(None)
     return PiecePadding(arg_dims, tuple(out_dims), scalars)
 

@@ -50,6 +50,11 @@ class GraphInputs:
                          if n.name in self.static_names)
 
     @functools.cached_property
+    def python_scalars(self) -> frozenset:
+        """Inputs that are Python floats passed as CPU scalar tensors (``graph_facts.python_scalar_inputs``)."""
+        return facts.python_scalar_inputs(self.graph_module.graph)
+
+    @functools.cached_property
     def weight_indices(self) -> tuple:
         """The parameters/buffers whose addresses choose the set of graphs (not the step scalars)."""
         own = len(self.fake_inputs) - 1 if self.rewrite is not None else None
@@ -81,6 +86,8 @@ class PiecePlan:
     padding: PiecePadding | None
     stage_keys: Mapping[int, str]  # args read by several pieces: copied once per step (staging.py)
     restore_after_warmup: frozenset  # written args whose writes are not idempotent
+    draws_random: bool = False  # draws from the default CUDA generator (captured with it registered)
+    eager_fn: Callable | None = None  # its FX code, for when the compiled code raises (piece_runner)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +97,11 @@ class ShapeKey:
     sources: tuple  # (arg index, dim) or (arg index, None) for a SymInt input, per symbol
     symbols: tuple
     pad_position: int | None  # index in the key of the batch size, None: no dynamic batch
+    values: tuple = ()  # arg indices of Python floats read by compute pieces: their values end the key
 
     def of(self, args: tuple) -> tuple:
-        return tuple(args[i] if dim is None else args[i].shape[dim] for i, dim in self.sources)
+        key = tuple(args[i] if dim is None else args[i].shape[dim] for i, dim in self.sources)
+        return key + tuple(args[i].item() for i in self.values) if self.values else key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +133,7 @@ class GraphPlan:
 
     @property
     def device(self) -> torch.device:
-        return next(f.device for f in self.inputs.fake_inputs if isinstance(f, torch.Tensor))
+        return graph_device(self.inputs.fake_inputs, self.inputs.python_scalars)
 
     @property
     def step_scalars(self) -> StepScalars | None:
@@ -142,18 +151,27 @@ class GraphPlan:
 
 # -- deciding -----------------------------------------------------------------------------------------
 
+def graph_device(fake_inputs, python_scalars: frozenset = frozenset()) -> torch.device:
+    """The device of the graph's tensors (Python floats passed as CPU scalars do not count)."""
+    tensors = [f for i, f in enumerate(fake_inputs) if isinstance(f, torch.Tensor) and i not in python_scalars]
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset(),
-                           names: list | None = None) -> str | None:
+                           names: list | None = None, python_scalars: frozenset = frozenset()) -> str | None:
     """Why this graph never captures (None: it does). ``names``: the inputs' names, to say which
-    tensors keep a CUDA graph's inputs off the GPU (e.g. a 0-dim CPU counter a cache object holds)."""
+    tensors keep a CUDA graph's inputs off the GPU (e.g. a 0-dim CPU counter a cache object holds).
+    ``python_scalars``: indices of Python floats passed as CPU scalars (host values, keyed by value)."""
     if not config.cudagraphs:
         return "cudagraphs=False in options"
+    fake_inputs = [v for i, v in enumerate(fake_inputs) if i not in python_scalars]
     devices = {v.device.type for v in fake_inputs if isinstance(v, torch.Tensor)}
     if devices == {"cpu"} and emulating():
         return None
     if devices != {"cuda"}:
         reason = f"graphs need CUDA tensors; inputs are on {', '.join(sorted(devices)) or 'no device'}"
         if "cuda" in devices and names is not None:
+            names = [n for i, n in enumerate(names) if i not in python_scalars]
             off = [f"{name} {tuple(v.shape)} on {v.device.type}" for name, v in zip(names, fake_inputs)
                    if isinstance(v, torch.Tensor) and v.device.type != "cuda"]
             reason += (f" ({', '.join(off[:3])}{f' and {len(off) - 3} more' if len(off) > 3 else ''}): a "
@@ -245,7 +263,8 @@ def _piece_plans(split: SplitGraph, compiled: Mapping, padding: PaddingPlan, sta
             static_args=frozenset(i for i, name in inputs.items() if name in static_names),
             escaping_outputs=frozenset(escaping.get(spec.name, ())),
             padding=padding.per_piece.get(spec.name), stage_keys=staging[spec.name],
-            restore_after_warmup=frozenset(i for i, name in inputs.items() if name in unmasked[spec.name]))
+            restore_after_warmup=frozenset(i for i, name in inputs.items() if name in unmasked[spec.name]),
+            draws_random=piece.draws_random, eager_fn=piece.eager)
     return plans
 
 
@@ -266,6 +285,21 @@ def _attention(calls: list[tuple]) -> tuple:
                   node.meta.get(ATTENTION_PATH, "eager: a splitting op")) for spec, node in calls)
 
 
+def _scalars_read_by_compute(split: SplitGraph, inputs: GraphInputs) -> dict[int, str]:
+    """Input index -> name of each Python float (``python_scalars``) that a compute piece reads.
+
+    A captured graph keeps such a value as it was at capture, so these values end the shape key;
+    like parameters they are passed in place, never copied. Floats only eager pieces read (attention's
+    ``scaling``) stay out of the key: eager code reads them afresh each call.
+    """
+    names = {n.name: i for i, n in enumerate(facts.placeholders(inputs.graph_module.graph))
+             if i in inputs.python_scalars}
+    compute = {spec.name for spec in split.pieces if spec.kind == PieceKind.COMPUTE}
+    read = {a.name for n in split.graph_module.graph.nodes if n.op == "call_module" and str(n.target) in compute
+            for a in n.args if isinstance(a, torch.fx.Node) and a.name in names}
+    return {names[name]: name for name in read}
+
+
 def _piece_code(split: SplitGraph) -> dict[str, str]:
     return {spec.name: getattr(split.graph_module, spec.name).code.strip() for spec in split.pieces}
 
@@ -281,6 +315,8 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     for piece in compiled.values():
         needed |= facts.value_symbols(piece.fake_args, with_offset=False)
     key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
+    scalars = _scalars_read_by_compute(split, inputs)
+    key = dataclasses.replace(key, values=tuple(sorted(scalars)))
     row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
     symbols = {n.name: facts.value_symbols(v, with_offset=False)  # only whole writes need them
                for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)
@@ -289,12 +325,13 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     calls = _attention_calls(split)
     return GraphPlan(
         split=split, compiled=dict(compiled),
-        pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names, unmasked),
+        pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names | set(scalars.values()), unmasked),
         signatures=dict(signatures), code=_piece_code(split), attention=_attention(calls),
         inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(
-            config, inputs.fake_inputs, missing, [n.name for n in facts.placeholders(inputs.graph_module.graph)]),
+            config, inputs.fake_inputs, missing, [n.name for n in facts.placeholders(inputs.graph_module.graph)],
+            inputs.python_scalars),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         agreement=rank_agreement(inputs.graph_module.graph),
         sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends,

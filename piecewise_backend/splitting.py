@@ -34,6 +34,7 @@ from .attention_placement import beside_attention, is_fixed_shape_attention
 from .in_place_writes import graph_safe_writes, only_whole_writes
 from .kinds import PieceKind
 from .op_names import canonical_op_name, display_name
+from .piece_boundaries import keep_containers_in_their_piece
 
 COMPUTE, SPLIT, EAGER = PieceKind.COMPUTE, PieceKind.SPLIT, PieceKind.EAGER
 
@@ -286,6 +287,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
         _hoist(graph, kinds)
         _sink(graph, kinds)
         part = _partition(graph, kinds)
+        keep_containers_in_their_piece(graph, kinds, part, reasons)
         bad = _cross_partition_writes(graph, kinds, part, writable_inputs, safe_writes)
         if not bad:
             break

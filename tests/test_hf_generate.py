@@ -44,6 +44,14 @@ def _config(arch: str, layers: int, hidden: int):
     if arch == "gpt2":
         return (transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
                 transformers.GPT2LMHeadModel)
+    # sliding-window layers beside full-attention ones, a window shorter than prompt + new tokens
+    hybrid = dict(layer_types=["sliding_attention", "full_attention"] * max(1, layers // 2), sliding_window=4)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(head_dim=hidden // 8, **hybrid, **common), transformers.Gemma3ForCausalLM
+    if arch == "olmo3":
+        return transformers.Olmo3Config(**hybrid, **common), transformers.Olmo3ForCausalLM
+    if arch == "exaone4":
+        return transformers.Exaone4Config(**hybrid, **common), transformers.Exaone4ForCausalLM
     raise ValueError(arch)
 
 
@@ -60,10 +68,10 @@ def _generate(model, ids, new_tokens: int, **kwargs):
         return model.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **kwargs)
 
 
-def _generate_both(model, batches, new_tokens, device, options=None, **kwargs):
+def _generate_both(model, batches, new_tokens, device, options=None, dynamic=None, **kwargs):
     """Greedy tokens of eager and of ``model.forward`` compiled with the backend, per batch size."""
     eager_forward = model.forward
-    compiled_forward = torch.compile(eager_forward, backend="piecewise", options=options or {})
+    compiled_forward = torch.compile(eager_forward, backend="piecewise", options=options or {}, dynamic=dynamic)
     g = torch.Generator().manual_seed(0)
     out = []
     for batch in batches:
@@ -135,6 +143,31 @@ def test_other_architectures_give_eager_tokens(arch, cache):
     else:
         decode = busiest_graph(start)
         assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("arch", ["gemma3", "olmo3", "exaone4"])
+def test_sliding_and_full_attention_layers_with_the_dynamic_cache_give_eager_tokens(arch):
+    """Gemma 3, OLMo 3, EXAONE 4 alternate sliding-window and full-attention layers (on the H200 at
+    6b12b66c: a ``NameError`` at the first capture, then ``generate()`` raised)."""
+    torch._dynamo.reset()
+    start = last_serial()
+    _assert_same_tokens(_generate_both(_model(arch, "cpu"), (1, 3), 10, "cpu"))
+    decode = busiest_graph(start)  # one key for every decode step at a batch size: replayed at every KV length
+    assert len(decode.stats.captured_keys) == 1 and decode.stats.replays > 0, decode.stats.summary()
+    assert decode.stats.ungraphed_runs == 0, decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_with_dynamic_true_gives_eager_tokens(arch):
+    """``dynamic=True`` (which the README offers) makes every float attribute (norm eps, attention
+    scaling) a CPU scalar input: their values join the shape key, and the graphs replay."""
+    torch._dynamo.reset()
+    start = last_serial()
+    _assert_same_tokens(_generate_both(_model(arch, "cpu"), (1, 3), 8, "cpu", dynamic=True))
+    decode = busiest_graph(start)
+    assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
 
 
 @pytest.mark.usefixtures("emulated_graphs")
@@ -319,3 +352,18 @@ def test_other_architectures_on_cuda_give_eager_tokens(arch):
         for g in graphs_since(start):
             assert not g.stats.ungraphed_runs or g.stats.graphs_disabled_reason or g.stats.miss_details, \
                 g.stats.summary()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ["gemma3", "olmo3", "exaone4", "llama-dynamic-true"])
+def test_hybrid_attention_and_dynamic_true_on_cuda_give_eager_tokens(arch):
+    """On the GPU: the sliding/full-attention models with the dynamic cache, and Llama compiled with
+    ``dynamic=True`` (its float attributes are CPU scalars there: they must not turn graphs off)."""
+    torch._dynamo.reset()
+    start = last_serial()
+    dynamic = arch.endswith("-dynamic-true")
+    model = _model(arch.removesuffix("-dynamic-true"), "cuda")
+    _assert_same_tokens(_generate_both(model, (1, 3), 10, "cuda", dynamic=True if dynamic else None))
+    decode = busiest_graph(start)
+    assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
+    assert decode.stats.graphs_disabled_reason is None, decode.stats.summary()

@@ -1,9 +1,11 @@
 """Run time: what a compiled graph does per call, built from the frozen plan (``plan.py``).
 
-``compiled_graph`` dispatches a call; ``piece_runner`` captures and replays one compute piece and
-owns the step protocol; ``devices`` holds each GPU's graph pool and capture stream; ``capture_policy``
-maps a batch size to a captured size; ``weight_sets`` keeps graphs per set of parameter addresses;
-``up_front`` captures sizes before a call needs them; ``distributed`` makes ranks decide together;
-``emulation`` stands in for CUDA graphs on CPU (tests). This package imports nothing of compile time
+``compiled_graph`` dispatches a call; ``call_guard`` lets one graphed call at a time use a device,
+in its callers' stream order; ``piece_runner`` captures and replays one compute piece and owns the
+step protocol; ``devices`` holds each GPU's graph pool and capture stream and keeps captures from
+disturbing other threads; ``capture_policy`` maps a batch size to a captured size;
+``capture_retries`` tries failed captures again; ``weight_sets`` keeps graphs per set of parameter
+addresses; ``up_front`` captures sizes before a call needs them; ``distributed`` makes ranks decide
+together; ``emulation`` stands in for CUDA graphs on CPU (tests). This package imports nothing of compile time
 but the plan's types.
 """

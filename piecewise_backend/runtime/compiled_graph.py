@@ -30,7 +30,9 @@ from .. import graph_facts as facts
 from ..config import PiecewiseConfig
 from ..kinds import CaptureHow, Miss, PieceKind
 from ..stats import CaptureEvent, GraphStats, PieceStats
+from .call_guard import call_guard
 from .capture_policy import CapturePolicy, Plan
+from .capture_retries import CaptureRetries
 from .devices import pool_bytes, synchronize
 from .piece_runner import PieceRunner, StepState
 from .up_front import UpFrontCapture
@@ -57,6 +59,7 @@ class CompiledGraph:
         self.captured: set = set()  # shape keys captured (for the active set of weights)
         self._plans: dict[tuple, Plan] = {}
         self._unreplayed: set = set()  # keys captured lazily and not replayed since (capture_policy.churn)
+        self._retries = CaptureRetries()  # keys whose capture failed, tried again later (capture_retries.py)
         self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
         self.up_front = UpFrontCapture(self)
         self._warned: set = set()
@@ -68,13 +71,14 @@ class CompiledGraph:
         self._any_requires_grad = plan.any_requires_grad
         self._shape_key = plan.key.of
         self._sdpa_backends = plan.sdpa_backends
+        self._guard = call_guard(plan.device)
 
     def _wrap_pieces(self) -> dict[str, PieceRunner]:
         """Replace each compute submodule by its runner (an instance attribute shadows the registered
         submodule, which stays for inspection); eager submodules are called without
         ``nn.Module.__call__``'s overhead."""
         split_gm = self.plan.split.graph_module
-        device = next((f.device for f in self.plan.inputs.fake_inputs if isinstance(f, torch.Tensor)), None)
+        device = self.plan.device
         runners = {}
         for spec in self.plan.split.pieces:
             if spec.kind == PieceKind.COMPUTE:
@@ -111,12 +115,19 @@ class CompiledGraph:
 
     def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
         """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured (see
-        :meth:`UpFrontCapture.capture`)."""
-        return self.up_front.capture(sizes)
+        :meth:`UpFrontCapture.capture`). Safe beside other threads' calls (it holds the call guard)."""
+        with self._guard:
+            return self.up_front.capture(sizes)
 
     # -- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
+        if self._graphs_off:  # never graphed: nothing shared with other callers
+            return self._call(args)
+        with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
+            return self._call(args)
+
+    def _call(self, args: tuple):
         if self._sdpa_backends is None:
             out = self._dispatch(args)
         else:
@@ -148,11 +159,27 @@ class CompiledGraph:
             step.ungraphed()
             self.stats.misses[plan.miss] += 1
             return self._forward(*args)
+        if self._retries.pending and not plan.capture and self._retries.due(plan.key):
+            plan = self._forget(plan.key, key, args)  # a failed capture's turn to be tried again
+            if plan.key is None:
+                step.ungraphed()
+                return self._forward(*args)
         step.replay(plan.key, plan.size, plan.padded)
         if plan.capture:
             return self.capturing_step(plan.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, plan.key)),
                                        lambda: self._forward(*args))
         return self._forward(*args)
+
+    def _forget(self, captured_key: tuple, key: tuple, args: tuple) -> Plan:
+        """Drop the graphs of ``captured_key`` (one of its pieces failed to capture) and plan the call
+        anew: the whole step is captured again (``capture_retries.py`` says why not one piece)."""
+        for runner in self.runners.values():
+            runner.captures.pop(captured_key, None)
+            runner.failed_keys.discard(captured_key)
+        self.captured.discard(captured_key)
+        self._unreplayed.discard(captured_key)
+        self._plans.clear()
+        return self._new_plan(key, args)
 
     def _count_batch(self, args: tuple) -> None:
         """Un-graphed graphs count their batch sizes too (``stats.batch_sizes``, on CPU as well)."""
@@ -205,6 +232,7 @@ class CompiledGraph:
             runner.captures = weight_set.captures.setdefault(name, {})
             runner.failed_keys = weight_set.failed.setdefault(name, set())
         self.captured, self._plans, self._unreplayed = weight_set.captured, weight_set.plans, weight_set.unreplayed
+        self._retries = weight_set.retries
         self.weights.activate(addresses, weight_set)
 
     def _new_plan(self, key: tuple, args: tuple) -> Plan:
@@ -261,6 +289,10 @@ class CompiledGraph:
     def release_graphs(self) -> int:
         """Forget every shape key's graphs, for every set of weights (see ``registry.release_graphs``);
         the number of keys released. Keys whose capture failed stay un-graphed."""
+        with self._guard:
+            return self._release_graphs()
+
+    def _release_graphs(self) -> int:
         released = 0
         for weight_set in self.weights.all():
             released += len(weight_set.captured)
@@ -278,6 +310,10 @@ class CompiledGraph:
     def _record_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int) -> None:
         after = self.pool_bytes()
         self.captured.add(key)
+        if any(key in r.failed_keys for r in self.runners.values()):
+            self._retries.failed(key)
+        else:
+            self._retries.succeeded(key)
         if how == CaptureHow.LAZY:
             self._unreplayed.add(key)
         self._plans.clear()  # misses may now be served (lazy_capture=False) or refused (budget)

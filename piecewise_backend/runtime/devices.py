@@ -10,6 +10,18 @@ Lifecycle of a :class:`DeviceGraphs` (modelled on cudagraph_trees' per-device ma
    fresh one (:meth:`DeviceGraphs.recover`);
 5. :meth:`DeviceGraphs.pool_bytes` measures what the live and retired pools hold.
 
+Why captures leave the rest of the process alone (a server captures lazily while other threads
+copy results out, sample, allocate):
+
+* every capture runs in ``"thread_local"`` capture error mode: another thread's sync or
+  ``cudaMalloc`` neither fails nor invalidates our capture (in torch's default ``"global"`` mode
+  both fail: measured on the H200, 50 errors in a background thread over 200 lazily capturing calls);
+* a piece that draws no random numbers is captured with the default CUDA generator's state set
+  aside (:class:`GeneratorAside`): torch 2.11 marks the state that the default generator holds
+  when a capture begins as "capturing" until it ends, and any other thread's random op on it then
+  raises "Offset increment outside graph capture encountered unexpectedly". The state it holds
+  during the capture is the caller's own, untouched.
+
 Why one pool: captured outputs are kept only as non-owning aliases, so memory freed by one step's
 capture is reused by the next capture, of any piece or size. Why one stream: cuBLAS keeps a
 workspace per stream, and the first matmul on a new stream allocates it inside the capture, so from
@@ -43,6 +55,7 @@ class DeviceGraphs:
     def __init__(self, index: int):
         self.index = index
         self.stream = torch.cuda.Stream(device=index)
+        self.generator = GeneratorAside(index)
         self._pool: tuple | None = None  # (handle, keeper graph)
         self._retired: list[tuple] = []  # (handle, keeper) of pools given up after a failed capture
 
@@ -60,17 +73,22 @@ class DeviceGraphs:
             with torch.cuda.device(self.index):
                 handle = torch.cuda.graph_pool_handle()
                 keeper = torch.cuda.CUDAGraph()
-                self._capture(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{self.index}").add_(1))
+                try:
+                    self._capture(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{self.index}").add_(1))
+                except Exception:
+                    _torch_internals.stop_pool_recording(self.index, handle)  # the next capture opens another
+                    raise
                 self._pool = (handle, keeper)
         return self._pool[0]
 
     def capture(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], warmup_runs: int = 0,
-                after_warmup: Callable[[], None] | None = None):
+                after_warmup: Callable[[], None] | None = None, draws_random: bool = False):
         """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` in this device's pool;
-        return the captured call's result."""
-        return self._capture(graph, self.pool, fn, warmup_runs, after_warmup)
+        return the captured call's result. ``draws_random``: ``fn`` uses the default CUDA generator
+        (its captured kernels must advance it on replay, so it stays registered with the graph)."""
+        return self._capture(graph, self.pool, fn, warmup_runs, after_warmup, draws_random)
 
-    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None):
+    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, draws_random: bool = False):
         """What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
         (seconds per size in vLLM's measurements) and its new stream per capture.
 
@@ -87,7 +105,10 @@ class DeviceGraphs:
             if after_warmup is not None:
                 after_warmup()
             _torch_internals.free_cublas_workspaces()
-            graph.capture_begin(pool=pool)
+            if draws_random:
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            else:
+                self.generator.capture_begin(graph, pool)
             try:
                 result = fn()
             finally:
@@ -108,8 +129,11 @@ class DeviceGraphs:
         self._retired.append(self._pool)
         _torch_internals.stop_pool_recording(self.index, self._pool[0])
         self._pool = None
-        torch.cuda.synchronize(self.index)
-        self.pool  # noqa: B018 - opens the fresh pool now
+        try:
+            torch.cuda.synchronize(self.index)
+            self.pool  # noqa: B018 - opens the fresh pool now
+        except Exception:  # called while falling back: never raise there; the next capture opens one
+            pass
 
     def pool_bytes(self) -> int:
         """Bytes the CUDA allocator holds for this device's pools, live and retired (measured: the
@@ -122,6 +146,31 @@ class DeviceGraphs:
             return 0
         return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
                    if seg.get("device") == self.index and tuple(seg.get("segment_pool_id", ())) in handles)
+
+
+class GeneratorAside:
+    """Begins captures with the default CUDA generator pointing at a private state.
+
+    ``CUDAGraph.capture_begin`` registers whatever state the device's default generator holds with
+    the graph and marks it capturing until ``capture_end`` (torch 2.11; 2.13 keeps capture state
+    per capture and has no such mark). Pointed at a private state for the begin and back at once
+    (``graphsafe_set_state`` shares a state, it copies nothing), the default generator that other
+    threads draw from is marked only for the few microseconds of ``capture_begin`` itself, not for
+    the whole capture. Only for pieces that draw no random numbers: their graphs never read a
+    generator, so which state is registered with them does not matter.
+    """
+
+    def __init__(self, index: int):
+        self.default = torch.cuda.default_generators[index]
+        self.private = torch.Generator(device=f"cuda:{index}")
+
+    def capture_begin(self, graph: torch.cuda.CUDAGraph, pool) -> None:
+        own = self.default.graphsafe_get_state()
+        self.default.graphsafe_set_state(self.private)
+        try:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        finally:
+            self.default.graphsafe_set_state(own)
 
 
 _DEVICES: dict[int, DeviceGraphs] = {}

@@ -27,8 +27,13 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   of 8): inputs are copied into the first rows of the captured buffers, outputs are handed back as
   their first rows. Outputs of one captured piece feed the next at full size, so a step pads once
   (user inputs and eager outputs are copied in anyway), not once per piece. See ``padding.py``.
-* **Loud fallback.** A capture that fails warns once with the reason and the piece runs compiled
-  but un-graphed for that key.
+* **Loud fallback.** A capture that fails warns with the reason and the piece runs compiled but
+  un-graphed for that key; the compiled graph tries the whole key again later
+  (``capture_retries.py``). A compiled piece that raises where its traced FX code does not runs
+  that code from then on: the fallback never raises where eager would not.
+* **One caller at a time.** The step protocol's state and the runners' buffers are shared by every
+  call of the graph: the compiled graph holds its device's call guard for the whole call
+  (``call_guard.py``), so a second thread waits rather than reading half-written buffers.
 """
 
 from __future__ import annotations
@@ -135,6 +140,8 @@ class PieceRunner:
         self.padding = piece.padding
         self.stage_keys = piece.stage_keys  # arg index -> stage key
         self.restore_after_warmup = piece.restore_after_warmup
+        self.draws_random = piece.draws_random
+        self.eager_fn = piece.eager_fn  # the piece's FX code: the fallback when the compiled code raises
         self.step = step
         self.stats = stats
         self.warmup_runs = warmup_runs
@@ -174,12 +181,34 @@ class PieceRunner:
     def _ungraphed(self, args: tuple):
         self.stats.ungraphed_runs += 1
         try:
+            return self._run_compiled(args)
+        except torch.OutOfMemoryError:
+            raise  # not the code's fault: eager would need the memory too
+        except Exception as exc:  # the compiled code is broken where the traced code is not
+            if self.eager_fn is None or self.fn is self.eager_fn:
+                raise
+            out = self.eager_fn(*args)  # raises what eager raises, if the inputs are at fault
+            self._run_eagerly_from_now_on(exc)
+            return out
+
+    def _run_compiled(self, args: tuple):
+        try:
             return self.fn(*args)
         except AssertionError:  # Inductor's input stride check (see _expected_layout)
             relaid = self._expected_layout(args)
             if relaid is None:
                 raise
             return self.fn(*relaid)
+
+    def _run_eagerly_from_now_on(self, exc: Exception) -> None:
+        """The compiled piece raised where its FX code, run as Dynamo traced it, did not: say so once,
+        and run (and capture) the FX code from now on. Graphs already captured keep replaying."""
+        reason = (f"the compiled code raised {type(exc).__name__}: {exc}; its traced code did not, so it runs "
+                  f"that (eagerly, or captured as it is) from now on. Please report it with the piece's code "
+                  f"(piecewise_backend.inspect_split)")
+        self.fn = self.eager_fn
+        self.stats.failures.append(reason)
+        warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=4)
 
     def _expected_layout(self, args: tuple) -> list | None:
         """``args`` with every tensor copied to the strides the compiled piece was compiled for, or
@@ -222,7 +251,7 @@ class PieceRunner:
         if not self._clones:
             return outputs
         if not isinstance(outputs, tuple):
-            return outputs.clone()
+            return outputs.clone() if isinstance(outputs, torch.Tensor) else outputs  # a bool, an int: as is
         return tuple(o.clone() if i in self.escaping_outputs and isinstance(o, torch.Tensor) else o
                      for i, o in enumerate(outputs))
 
@@ -236,8 +265,8 @@ class PieceRunner:
             captured, outputs = self._record(capture_args, checks)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
             failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})"
-            device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-            if device is not None and device.type == "cuda":
+            device = self._device(args)
+            if device.type == "cuda":
                 device_graphs(device).recover()
         failure = agreed_refusal(self.agreement, failure,
                                  f"capture at shape key {key} failed on another rank of this graph's process "
@@ -323,15 +352,18 @@ class PieceRunner:
         buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
         return buf
 
+    def _device(self, args) -> torch.device:
+        """The graph's device (a Python float passed as a CPU scalar may come first among the args)."""
+        return self.device or next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cuda"))
+
     def _record(self, capture_args: list, checks: list):
         step = self.step
-        device = next((a.device for a in capture_args if isinstance(a, torch.Tensor)), None) or self.device \
-            or torch.device("cuda")
+        device = self._device(capture_args)
         restore = self._warmup_undo(capture_args)
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
             outputs = as_tuple(device_graphs(device).capture(graph, lambda: self.fn(*capture_args), self.warmup_runs,
-                                                              restore))
+                                                              restore, self.draws_random))
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)

@@ -56,8 +56,8 @@ class UpFrontCapture:
 
     def remember(self, key: tuple, args: tuple) -> None:
         """Keep what capture() needs from a real call: weights (by reference) and symbol values."""
-        static = self.graph.plan.inputs.static_inputs
-        self._template = [a if i in static or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
+        kept = self.graph.plan.inputs.static_inputs | self.graph.plan.inputs.python_scalars
+        self._template = [a if i in kept or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
         self._key = key
         self._values = symbol_values(self.graph.plan.inputs.fake_inputs, args)
 
@@ -158,7 +158,7 @@ class UpFrontCapture:
         with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
             graph.capturing_step(key, CaptureHow.EAGER, values, lambda: run_compute_pieces(
                 plan.split.graph_module, graph.runners, plan.fake_outputs, plan.inputs.fake_inputs, self._template,
-                plan.inputs.static_inputs, values))
+                plan.inputs.static_inputs | plan.inputs.python_scalars, values, plan.device))
 
 
 class _ComputeOnlyRun(torch.fx.Interpreter):
@@ -178,9 +178,9 @@ class _ComputeOnlyRun(torch.fx.Interpreter):
 
 
 def run_compute_pieces(split_gm, runners: dict, fake_outputs: dict, fake_inputs: list, template: list,
-                       static_inputs: frozenset, values: dict) -> None:
-    """Run every compute piece once on stand-ins at the symbol ``values`` (the runners capture)."""
-    device = next(f.device for f in fake_inputs if isinstance(f, torch.Tensor))
+                       static_inputs: frozenset, values: dict, device: torch.device) -> None:
+    """Run every compute piece once on stand-ins at the symbol ``values`` (the runners capture);
+    ``static_inputs``: the inputs taken from the template as they are (weights, Python floats)."""
     inputs = [template[i] if i in static_inputs or not isinstance(fake, torch.Tensor)
               and not isinstance(fake, torch.SymInt) else materialize(fake, values, device)
               for i, fake in enumerate(fake_inputs)]

@@ -31,6 +31,7 @@ import operator
 import torch
 
 from .. import _torch_internals
+from .capture_retries import CaptureRetries
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -45,6 +46,7 @@ class WeightSet:
     captures: dict = dataclasses.field(default_factory=dict)  # piece name -> {shape key: captured graph}
     failed: dict = dataclasses.field(default_factory=dict)  # piece name -> shape keys whose capture failed
     unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
+    retries: CaptureRetries = dataclasses.field(default_factory=CaptureRetries)  # keys whose capture failed
 
 
 class WeightSets:

@@ -4,6 +4,11 @@ Random models against eager (``runner.py``) with the default capture sizes (up t
 sizes up to 600, so sizes above the largest capture size run too; then one model's memory over
 10,000 replays at sizes already captured (the graph pool and the allocator must stay flat: nothing
 may be kept per call). Writes the totals, and every wrong step's description, as JSON.
+
+``--threads``: a neighbour thread (``toys/neighbour.py``: syncs, allocations, random numbers from
+the default generator) runs beside the whole fuzz, so every lazy capture happens next to it; then
+two threads call each of ``--concurrent-models`` compiled models at once (``runner.concurrent``).
+``dynamic_compile`` / ``graph_breaks`` / ``threads`` say the run covered those.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import warnings
 import torch
 
 from .grammar import T, WIDTH, FuzzModel, random_spec
-from .runner import fuzz
+from .runner import concurrent, fuzz
 
 
 def memory_growth(device: str, replays: int, seed: int = 7, sizes=(1, 3, 8, 17, 64, 200)) -> dict:
@@ -59,15 +64,34 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=600)
     parser.add_argument("--replays", type=int, default=10_000)
     parser.add_argument("--first-seed", type=int, default=1000)
+    parser.add_argument("--threads", action="store_true", help="a neighbour thread, then concurrent callers")
+    parser.add_argument("--concurrent-models", type=int, default=4)
+    parser.add_argument("--concurrent-calls", type=int, default=200, help="per model, over both threads")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     warnings.simplefilter("ignore")  # the backend's warnings are expected here (moved weights, ...)
     torch._dynamo.config.cache_size_limit = 64  # random positions and sizes: many Dynamo graphs
     start = time.perf_counter()
+    seeds = range(args.first_seed, args.first_seed + args.models)
+    neighbour = None
+    if args.threads:
+        from toys.neighbour import Neighbour
+
+        neighbour = Neighbour(args.device)
+        neighbour.start()
     with torch.no_grad():
-        result = fuzz(range(args.first_seed, args.first_seed + args.models), args.steps, args.max_batch, args.device)
+        result = fuzz(seeds, args.steps, args.max_batch, args.device)
         out = {**dataclasses.asdict(result), "failures": result.failures[:50],
-               "max_batch": args.max_batch, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu"}
+               "max_batch": args.max_batch, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+               "dynamic_compile": result.dynamic_models > 0, "graph_breaks": result.breaking_models > 0,
+               "threads": False}
+        if neighbour is not None:
+            neighbour.finish()
+            out.update({"neighbour_iterations": neighbour.iterations, "neighbour_errors": neighbour.errors})
+            out.update(concurrent(range(args.first_seed, args.first_seed + args.concurrent_models),
+                                  args.concurrent_calls, args.max_batch, args.device))
+            out["threads"] = out["concurrent_calls"] > 0 and neighbour.iterations > 0
+            out["wrong"] += out["concurrent_wrong"] + out["concurrent_errors"]
         if args.device == "cuda" and args.replays:
             out.update(memory_growth(args.device, args.replays))
     out["seconds"] = round(time.perf_counter() - start, 1)

@@ -14,7 +14,14 @@ class of silent bug has a way in:
   attention over the batch (every row meets every other);
 * caches with fewer, as many or more rows than the largest batch, read and written by batch row;
 * in-place writes into buffers (a step counter);
-* outputs that are views of the input and of a parameter.
+* outputs that are views of the input and of a parameter;
+* values that cross a piece boundary other than one tensor (``ACROSS``): a ``chunk`` whose second
+  half is read only after an attention (the tuple would cross), a ``topk`` likewise, Python numbers
+  made from the sizes (a SymInt, a SymFloat of the batch size, a bool) read after an attention;
+* graph breaks: ``.item()`` of a buffer, a branch on the data, a ``print``.
+
+About a third of the models are compiled with ``dynamic=True`` (the runner), the rest with the
+batch marked dynamic.
 
 The runner (``runner.py``) swaps the weights between calls too. Nothing here knows what the backend
 should pad or graph: the fuzzer only compares with eager.
@@ -23,6 +30,7 @@ should pad or graph: the fuzzer only compares with eager.
 from __future__ import annotations
 
 import dataclasses
+import io
 import math
 import random
 
@@ -40,7 +48,10 @@ MIXING = ("center_batch", "cumsum_batch", "batch_statistics", "train_norm", "att
           "last_row")
 CACHED = ("kv_cache", "cache_read")
 WRITES = ("counter",)
-BLOCKS = ROW_WISE + MIXING + CACHED + WRITES
+ACROSS = ("chunk_across", "topk_across", "scalars_across", "break_item", "break_branch", "break_print")
+BLOCKS = ROW_WISE + MIXING + CACHED + WRITES + ACROSS
+STATELESS = frozenset(ROW_WISE + ("center_batch", "cumsum_batch", "batch_statistics", "attention_over_batch",
+                                  "last_row", "cache_read") + ACROSS)  # no buffer written: callable from threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +76,18 @@ def random_spec(seed: int, max_batch: int) -> Spec:
     cache_rows = rng.choice([max(2, max_batch - rng.randint(1, max(1, max_batch // 3))), max_batch,
                              max_batch + rng.randint(1, 8)])
     views = tuple(v for v in ("input", "weight") if rng.random() < 0.3)
+    if rng.random() < 0.5:  # drawn last: the models of earlier seeds keep their other blocks
+        blocks.insert(rng.randrange(len(blocks) + 1), rng.choice(ACROSS))
     return Spec(seed, tuple(blocks), cache_rows, views)
+
+
+def stateless_spec(seed: int, max_batch: int) -> Spec:
+    """A spec whose blocks write no buffer (``STATELESS``), for calls from several threads at once:
+    eager itself is only thread-safe on such a model."""
+    spec = random_spec(seed, max_batch)
+    rng = random.Random(seed + 1)
+    blocks = tuple(b if b in STATELESS else rng.choice(ROW_WISE + ACROSS) for b in spec.blocks)
+    return dataclasses.replace(spec, blocks=blocks)
 
 
 class _Block(nn.Module):
@@ -88,6 +110,11 @@ class _Block(nn.Module):
             self.register_buffer("v_cache", torch.randn(rows, 1, T_MAX, w) * 0.1)
         if kind == "counter":
             self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        if kind == "break_item":
+            self.register_buffer("gain", torch.tensor(1.25))
+        if kind == "break_print":
+            self.sink = io.StringIO()
+        self.eps = 1e-6
 
     def train(self, mode: bool = True):  # the train-mode norm stays in train mode under model.eval()
         super().train(mode)
@@ -139,6 +166,34 @@ class _Block(nn.Module):
         if kind == "counter":
             self.steps.add_(1)
             return x * 1.5
+        return self._across(x)
+
+    def _across(self, x: torch.Tensor) -> torch.Tensor:
+        kind, B = self.kind, x.shape[0]
+        if kind == "chunk_across":  # the second half is taken from the tuple only after the attention
+            h = self.a(x)  # an RMSNorm by a float attribute: under dynamic=True a SymFloat read by .item()
+            halves = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).chunk(2, dim=-1)
+            a = halves[0].unsqueeze(1)  # keys and values only (the fused QKV's k and v)
+            h = F.scaled_dot_product_attention(x.unsqueeze(1), a, a, is_causal=True)
+            return x + self.b(torch.cat([h.squeeze(1), halves[1]], dim=-1))
+        if kind == "topk_across":
+            top = torch.topk(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps), 2, dim=-1)
+            h = F.scaled_dot_product_attention(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1))
+            return h.squeeze(1) + top.values.mean(-1, keepdim=True) + top.indices.float().mean(-1, keepdim=True) * 0.1
+        if kind == "scalars_across":  # numbers from the sizes, made before the attention, read after
+            fraction, causal, scale = B / (B + 1), x.shape[1] > 1, x.shape[-1] ** -0.5
+            h = F.scaled_dot_product_attention(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), is_causal=causal,
+                                               scale=scale)
+            return h.squeeze(1) * fraction + x * B / (B + 2)
+        if kind == "break_item":  # .item() ends the graph; the next one starts with a Python float
+            return x * self.gain.item()
+        if kind == "break_branch":  # a branch on the data: a graph break, then one of two graphs
+            return x * 1.5 if bool((x[:, 0, 0] > 0).all()) else x - 0.5
+        if kind == "break_print":
+            print("step", file=self.sink)
+            self.sink.seek(0)
+            self.sink.truncate()
+            return x + 1
         raise ValueError(kind)
 
 

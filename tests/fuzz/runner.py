@@ -16,7 +16,14 @@ import random
 
 import torch
 
-from .grammar import T, T_MAX, WIDTH, FuzzModel, random_spec
+from .grammar import ACROSS, T, T_MAX, WIDTH, FuzzModel, random_spec
+
+BREAKS = frozenset(b for b in ACROSS if b.startswith("break_"))
+
+
+def compiles_dynamic(seed: int) -> bool:
+    """A third of the models are compiled with ``dynamic=True``."""
+    return seed % 3 == 2
 
 
 @dataclasses.dataclass
@@ -29,6 +36,9 @@ class FuzzResult:
     padded_graphs: int = 0  # graphs the backend padded, and ones it refused to pad (coverage)
     unpadded_graphs: int = 0
     weight_swaps: int = 0
+    dynamic_models: int = 0  # models compiled with dynamic=True (the others: the batch marked dynamic)
+    breaking_models: int = 0  # models with a graph break (.item(), a branch on the data, print)
+    crossing_models: int = 0  # models with a value other than one tensor crossing a piece (ACROSS)
 
     def merge(self, other: "FuzzResult") -> None:
         for field in dataclasses.fields(self):
@@ -62,8 +72,10 @@ def run_model(seed: int, steps: int, max_batch: int, device: str = "cpu", option
     before = {g.serial for g in piecewise_backend.compiled_graphs()}
     model = FuzzModel(spec).to(device).eval()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="piecewise", options=options or {})
-    result = FuzzResult(models=1)
+    dynamic = compiles_dynamic(seed)
+    compiled = torch.compile(model, backend="piecewise", options=options or {}, dynamic=True if dynamic else None)
+    result = FuzzResult(models=1, dynamic_models=int(dynamic), breaking_models=int(bool(BREAKS & set(spec.blocks))),
+                        crossing_models=int(bool(set(ACROSS) & set(spec.blocks))))
     kept = []  # (compiled output, eager output) of some steps, re-checked at the end
     held: list = []  # (parameter the user held before a swap, its values then)
     largest = min(max_batch, spec.cache_rows)
@@ -124,6 +136,62 @@ def run_model(seed: int, steps: int, max_batch: int, device: str = "cpu", option
             else:
                 result.unpadded_graphs += 1
     return result
+
+
+def concurrent(seeds, calls: int, max_batch: int, device: str = "cpu", threads: int = 2) -> dict:
+    """Several threads calling one compiled model at once (each on a CUDA stream of its own), each
+    output checked against eager in the calling thread; models that write no buffer (``STATELESS``:
+    eager itself is only thread-safe on those). Returns the calls made, wrong and raised."""
+    import threading
+
+    from .grammar import stateless_spec
+
+    counts = {"concurrent_calls": 0, "concurrent_wrong": 0, "concurrent_errors": 0, "concurrent_models": 0}
+    failures: list = []
+    lock = threading.Lock()
+    for seed in seeds:
+        spec = stateless_spec(seed, max_batch)
+        torch._dynamo.reset()
+        model = FuzzModel(spec).to(device).eval()
+        compiled = torch.compile(model, backend="piecewise", dynamic=True if compiles_dynamic(seed) else None)
+        largest = min(max_batch, spec.cache_rows)
+
+        def caller(worker: int) -> None:
+            rng = random.Random(seed * 31 + worker)
+            stream = torch.cuda.Stream() if device == "cuda" else None
+            with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _Nothing()):
+                for _ in range(calls // threads):
+                    x = torch.randn(rng.randint(1, largest), T, WIDTH, device=device)
+                    if x.shape[0] > 1:
+                        torch._dynamo.mark_dynamic(x, 0)
+                    try:
+                        same = all(rel_err(a, e) <= 1e-3 for a, e in zip(compiled(x, 0), model(x, 0)))
+                    except Exception as exc:  # noqa: BLE001 - eager never raises here
+                        with lock:
+                            counts["concurrent_errors"] += 1
+                            failures.append(f"{spec}: {type(exc).__name__}: {exc}")
+                        continue
+                    with lock:
+                        counts["concurrent_calls"] += 1
+                        counts["concurrent_wrong"] += not same
+                        if not same:
+                            failures.append(f"{spec}: batch {x.shape[0]} differs from eager")
+
+        workers = [threading.Thread(target=caller, args=(w,)) for w in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        counts["concurrent_models"] += 1
+    return {**counts, "concurrent_threads": threads, "concurrent_failures": failures[:20]}
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def fuzz(seeds, steps: int, max_batch: int, device: str = "cpu", options: dict | None = None,

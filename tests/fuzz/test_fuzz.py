@@ -30,3 +30,7 @@ def test_the_slice_covers_padded_and_refused_graphs_and_weight_swaps(fuzzed):
     # the slice would prove little if the backend never padded, never refused, or weights never moved
     assert fuzzed.padded_graphs > 0 and fuzzed.unpadded_graphs > 0, fuzzed
     assert fuzzed.weight_swaps > 0, fuzzed
+
+
+def test_the_slice_covers_dynamic_true_graph_breaks_and_values_crossing_pieces(fuzzed):
+    assert fuzzed.dynamic_models > 0 and fuzzed.breaking_models > 0 and fuzzed.crossing_models > 0, fuzzed

@@ -1,0 +1,275 @@
+"""Lazy capture inside a live process: another thread's CUDA work during captures, concurrent callers.
+
+    python benchmarks/threads.py --out threads.json [--calls 200] [--concurrent 400] [--capture-modes]
+    python benchmarks/threads.py --out /tmp/t.json --device cpu --calls 20 --concurrent 40   # smoke test
+
+The model is transformers' ``LlamaForCausalLM`` (4 layers, hidden 256, random weights, fp32), its
+``forward`` compiled with ``backend="piecewise"`` and the batch marked dynamic, prompts of 8 tokens.
+
+* ``background``: the main thread makes ``--calls`` calls at random batch sizes 1..64 (so it
+  captures lazily, at each new capture size) while a background thread loops what a server's
+  output and sampling threads do: ``(y * 2).sum().item()`` (a sync) and
+  ``torch.empty(1 << 16, device="cuda").normal_()`` (an allocation and random numbers from the
+  default generator). Counted: the background thread's errors, the backend's failed captures and
+  un-graphed piece runs, and the main thread's outputs that differ from eager's. Run twice: the
+  loop as the issue wrote it, and (``own_generator``) drawing from a ``torch.Generator`` of its own.
+* ``concurrent``: after sizes 4, 8 and 16 are captured, two threads, each on a CUDA stream of its
+  own, call the one compiled function ``--concurrent`` times in all, batch sizes drawn from
+  {4, 8, 16, 5, 12}; each output is compared with eager's on the same input, in the same thread.
+* ``single_thread_overhead_us``: what the call guard (``runtime/call_guard.py``) adds to one call
+  on one thread: its ``with`` (a lock, the stream-id compare) and the frame around the call's body,
+  timed on the host against the bare body, interleaved over rounds (median of the differences).
+
+``--capture-modes`` also runs the background scenario, each in a child process, with the capture
+as it was before (torch's default ``"global"`` capture error mode, the default generator registered
+with every graph) and with ``"thread_local"`` mode alone: the evidence for what each part removes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (the repository root on sys.path)
+from toys.neighbour import Neighbour  # noqa: E402
+
+TOKENS = 8
+
+
+def build_model(device: str):
+    import transformers
+
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device).eval()
+
+
+def compiled_forward(model):
+    return torch.compile(model.forward, backend="piecewise")
+
+
+def ids_of(batch: int, device: str, rng: random.Random) -> torch.Tensor:
+    ids = torch.tensor([[rng.randrange(1024) for _ in range(TOKENS)] for _ in range(batch)], device=device)
+    if batch > 1:
+        torch._dynamo.mark_dynamic(ids, 0)
+    return ids
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    scale = expected.abs().max().item()
+    return actual.shape == expected.shape and (actual - expected).abs().max().item() <= 1e-3 * max(scale, 1e-2)
+
+
+def graph_totals(since: int) -> dict:
+    """The backend's counts over the graphs compiled after serial ``since`` (``misses``: calls the
+    capture policy ran un-graphed, by reason; failed captures are ``failed_captures``)."""
+    import collections
+
+    import piecewise_backend
+
+    graphs = [g for g in piecewise_backend.compiled_graphs() if g.serial > since]
+    misses = collections.Counter()
+    for g in graphs:
+        misses.update({str(k): v for k, v in g.stats.misses.items()})
+    return {"failed_captures": sum(g.stats.failed_captures for g in graphs),
+            "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
+            "replays": sum(g.stats.replays for g in graphs), "captures": sum(g.stats.captures for g in graphs),
+            "misses": dict(misses)}
+
+
+def last_serial() -> int:
+    import piecewise_backend
+
+    graphs = piecewise_backend.compiled_graphs()
+    return graphs[-1].serial if graphs else 0
+
+
+def background(device: str, calls: int, seed: int = 0, own_generator: bool = False) -> dict:
+    """The main thread's lazily capturing calls beside ``Neighbour``'s loop; ``own_generator``: the
+    loop draws its random numbers from a generator of its own instead of the default one."""
+    since = last_serial()
+    model = build_model(device)
+    forward = compiled_forward(model)
+    rng = random.Random(seed)
+    wrong = 0
+    other = Neighbour(device, own_generator)
+    with torch.no_grad():
+        forward(ids_of(2, device, rng))  # compiled before the other thread starts: captures are what is measured
+        other.start()
+        start = time.perf_counter()
+        for _ in range(calls):
+            ids = ids_of(rng.randint(1, 64), device, rng)
+            out = forward(ids).logits
+            wrong += not close(out, model(ids).logits)
+        seconds = time.perf_counter() - start
+        other.finish()
+    return {"background_errors": other.error_count, "background_error_kinds": other.errors,
+            "background_iterations": other.iterations, "background_calls": calls, "background_wrong": wrong,
+            "background_seconds": round(seconds, 1), **graph_totals(since)}
+
+
+def concurrent(device: str, calls: int, threads: int = 2) -> dict:
+    model = build_model(device)
+    forward = compiled_forward(model)
+    rng = random.Random(1)
+    with torch.no_grad():
+        for batch in (4, 8, 16):  # captured before the threads start
+            forward(ids_of(batch, device, rng))
+    counts = {"calls": 0, "wrong": 0, "errors": 0}
+    lock = threading.Lock()
+
+    def caller(seed: int) -> None:
+        local = random.Random(seed)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        with torch.no_grad():  # grad mode is per thread
+            for _ in range(calls // threads):
+                ids = ids_of(local.choice([4, 8, 16, 5, 12]), device, local)
+                try:
+                    with torch.cuda.stream(stream) if stream is not None else _nothing():
+                        out = forward(ids).logits
+                        ok = close(out, model(ids).logits)
+                except Exception:
+                    with lock:
+                        counts["errors"] += 1
+                    continue
+                with lock:
+                    counts["calls"] += 1
+                    counts["wrong"] += not ok
+
+    workers = [threading.Thread(target=caller, args=(seed,)) for seed in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return {"concurrent_calls": counts["calls"], "concurrent_wrong": counts["wrong"],
+            "concurrent_errors": counts["errors"], "concurrent_threads": threads}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def single_thread_overhead_us(device: str, rounds: int = 9, calls: int = 200_000) -> dict:
+    """What the call guard adds to one caller's call, in µs: its ``with`` (lock, stream-id compare)
+    and the extra frame around the body, timed against the bare body on a host-only stand-in
+    (median of interleaved rounds). Host time only: a whole call's timing is noisier than the guard."""
+    model = build_model(device)
+    forward = compiled_forward(model)
+    rng = random.Random(2)
+    with torch.no_grad():
+        ids = ids_of(4, device, rng)
+        forward(ids)
+        forward(ids)  # captured, then replayed
+    import piecewise_backend
+
+    graph = max(piecewise_backend.compiled_graphs(), key=lambda g: g.stats.replays)
+    guard = graph._guard
+
+    def body(args):
+        return args
+
+    def guarded(*args):  # what CompiledGraph.__call__ adds around its body
+        if graph._graphs_off:
+            return body(args)
+        with guard:
+            return body(args)
+
+    runs = {"guarded": lambda: guarded(1), "bare": lambda: body((1,))}
+    diffs = []
+    for r in range(rounds):
+        times = {}
+        for name in sorted(runs, reverse=r % 2 == 1):  # each goes first in every other round
+            run = runs[name]
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            times[name] = (time.perf_counter() - start) / calls
+        diffs.append((times["guarded"] - times["bare"]) * 1e6)
+    return {"single_thread_overhead_us": round(statistics.median(diffs), 3),
+            "single_thread_overhead_rounds_us": [round(d, 3) for d in diffs]}
+
+
+def _run_child(mode: str, args) -> dict:
+    """The background scenario with an older capture, in a process of its own (``--as-mode``)."""
+    cmd = [sys.executable, __file__, "--as-mode", mode, "--calls", str(args.calls), "--device", args.device,
+           "--out", "-"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.child_timeout} s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else {"error": done.stderr[-800:]}
+
+
+def _as_mode(mode: str) -> None:
+    """Capture as the backend did before: torch's default global mode, or thread-local alone."""
+    from piecewise_backend.runtime import devices
+
+    def begin(self, graph, pool):
+        if mode == "global":
+            graph.capture_begin(pool=pool)
+        else:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+
+    devices.GeneratorAside.capture_begin = begin
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--concurrent", type=int, default=400)
+    parser.add_argument("--capture-modes", action="store_true")
+    parser.add_argument("--child-timeout", type=int, default=240)
+    parser.add_argument("--as-mode", choices=["global", "thread_local"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    if args.device == "cpu":  # the smoke test: CUDA graphs emulated (compiled graphs read it on this thread)
+        import piecewise_backend
+
+        emulating = piecewise_backend.emulated_graphs()  # kept: a dropped one restores the default at once
+        emulating.__enter__()
+    if args.as_mode:
+        _as_mode(args.as_mode)
+        print(json.dumps(background(args.device, args.calls)))
+        return
+    from record import code_hash
+
+    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
+    result.update(background(args.device, args.calls))
+    print(json.dumps(result), flush=True)
+    torch._dynamo.reset()
+    own = background(args.device, args.calls, own_generator=True)
+    result["own_generator"] = {k: v for k, v in own.items() if k.startswith("background_") or k == "failed_captures"}
+    print(json.dumps(result), flush=True)
+    torch._dynamo.reset()
+    result.update(concurrent(args.device, args.concurrent))
+    print(json.dumps(result), flush=True)
+    torch._dynamo.reset()
+    result.update(single_thread_overhead_us(args.device))
+    if args.capture_modes:
+        result["before"] = {mode: _run_child(mode, args) for mode in ("global", "thread_local")}
+    result["code_hash"] = code_hash()
+    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
