@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import random
+import sys
 import threading
 import warnings
 
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import piecewise_backend
 from piecewise_backend.runtime import capture_retries
 
 from .helpers import graphs_since, last_serial
@@ -204,8 +204,8 @@ def test_two_threads_calling_one_compiled_function_get_eagers_results():
                     outcome["calls"] += 1
                     outcome["wrong"] += not same
 
-    switch = __import__("sys").getswitchinterval()
-    __import__("sys").setswitchinterval(1e-5)  # threads interleave inside calls
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # threads interleave inside calls
     try:
         workers = [threading.Thread(target=caller, args=(seed,)) for seed in range(3)]
         for w in workers:
@@ -213,7 +213,7 @@ def test_two_threads_calling_one_compiled_function_get_eagers_results():
         for w in workers:
             w.join()
     finally:
-        __import__("sys").setswitchinterval(switch)
+        sys.setswitchinterval(switch)
     assert outcome["errors"] == [] and outcome["wrong"] == 0, outcome
     assert outcome["calls"] == 120 and _replays(start) > 100
 
