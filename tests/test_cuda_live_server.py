@@ -13,7 +13,7 @@ import torch
 from toys.neighbour import Neighbour
 
 from .helpers import graphs_since, last_serial
-from .test_live_server import FusedQKV, Mlp, TwoBlocks
+from .test_live_server import Mlp, TwoBlocks, _serving_calls, compiled_serving_model
 
 pytestmark = pytest.mark.cuda
 
@@ -109,21 +109,11 @@ def test_a_piece_that_draws_random_numbers_is_captured_and_draws_anew_at_each_re
 
 def test_dynamic_true_graphs_the_serving_model_and_keys_its_python_floats():
     torch.manual_seed(0)
-    model = FusedQKV().cuda().eval()
-    torch._dynamo.reset()
-    start = last_serial()
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]},
-                             dynamic=True)
-
-    def calls(sizes):
-        for n in sizes:
-            ids, pos = torch.randint(0, 100, (n,), device="cuda"), torch.arange(n, device="cuda")
-            torch.testing.assert_close(compiled(ids, pos), model(ids, pos), atol=1e-4, rtol=1e-4)
-
+    model, compiled, start = compiled_serving_model("cuda")
     with torch.no_grad():
-        calls((3, 5, 8, 5, 3))
+        _serving_calls(compiled, model, (3, 5, 8, 5, 3), "cuda", 1e-4)
         model.eps = 0.5  # a CUDA graph keeps the value it was captured with: the key must tell them apart
-        calls((3, 5, 3))
+        _serving_calls(compiled, model, (3, 5, 3), "cuda", 1e-4)
     graphs = graphs_since(start)
     for graph in graphs:
         assert graph.stats.graphs_disabled_reason is None, graph.stats.summary()

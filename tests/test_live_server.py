@@ -109,20 +109,28 @@ def _replays(start: int) -> int:
     return sum(g.stats.replays for g in graphs_since(start))
 
 
-def _serving_calls(compiled, reference, sizes):
+def _serving_calls(compiled, reference, sizes, device="cpu", tol=None):
     for n in sizes:
-        ids, pos = torch.randint(0, 100, (n,)), torch.arange(n)
-        torch.testing.assert_close(compiled(ids, pos), reference(ids, pos), msg=lambda m: f"{n} tokens: {m}")
+        ids, pos = torch.randint(0, 100, (n,), device=device), torch.arange(n, device=device)
+        torch.testing.assert_close(compiled(ids, pos), reference(ids, pos), msg=lambda m: f"{n} tokens: {m}",
+                                   **({"atol": tol, "rtol": tol} if tol else {}))
+
+
+def compiled_serving_model(device="cpu"):
+    """``FusedQKV`` compiled with ``dynamic=True``, its attention op named a splitting op; returns
+    (model, compiled, serial of the last graph before it)."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = FusedQKV().to(device).eval()
+    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]},
+                             dynamic=True)
+    return model, compiled, start
 
 
 def test_dynamic_true_on_a_fused_qkv_split_around_a_custom_attention_op_compiles_and_replays():
     # was: AssertionError "output spec mismatch" from Inductor's compile of submod_0, whose outputs
     # held the split's three tensors nested in a tuple
-    torch._dynamo.reset()
-    start = last_serial()
-    model = FusedQKV().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]},
-                             dynamic=True)
+    model, compiled, start = compiled_serving_model()
     _serving_calls(compiled, model, (3, 5, 8, 5, 3))
     graph = graphs_since(start)[-1]
     assert graph.stats.num_compute_pieces == 2, [str(p) for p in graph.pieces]  # before and after the op
@@ -132,11 +140,7 @@ def test_dynamic_true_on_a_fused_qkv_split_around_a_custom_attention_op_compiles
 
 
 def test_a_python_float_that_changes_is_captured_again_not_replayed_with_its_old_value():
-    torch._dynamo.reset()
-    start = last_serial()
-    model = FusedQKV().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]},
-                             dynamic=True)
+    model, compiled, start = compiled_serving_model()
     _serving_calls(compiled, model, (3, 5, 3))
     model.eps = 0.5  # Dynamo guards a float's type only: the same compiled graph serves the new value
     _serving_calls(compiled, model, (3, 5, 3))
