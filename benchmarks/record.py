@@ -92,6 +92,7 @@ def main() -> None:
     parser.add_argument("--hf", help="hf_generate.py's JSON")
     parser.add_argument("--kernel", help="attention_kernel.py's JSON")
     parser.add_argument("--threads", help="threads.py's JSON")
+    parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -131,6 +132,14 @@ def main() -> None:
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
     if args.threads:
         result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}
+    if args.serving:
+        rows = [{k: v for k, v in r.items() if k != "itl_over_time"}
+                for r in json.loads(pathlib.Path(args.serving).read_text())["serving"]]
+        serving = json.loads(pathlib.Path(args.serving).read_text())
+        if rows:
+            result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
+        if "graph_memory_estimate" in serving:
+            result["graph_memory_estimate"] = {**serving["graph_memory_estimate"], "code_hash": digest}
     if args.kernel:
         result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
     if args.capture:

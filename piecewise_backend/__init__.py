@@ -12,9 +12,10 @@ from .config import PiecewiseConfig
 from .inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .kinds import CaptureHow, Miss, PieceKind
 from .op_names import DEFAULT_SPLITTING_OPS
-from .registry import capture, compiled_graphs, release_graphs
+from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
+from .runtime.memory_estimate import GraphMemoryEstimate
 from .runtime.emulation import emulated_graphs
 from .stats import CaptureEvent, GraphStats, PieceStats, capture_table, process_stats
 
@@ -27,9 +28,11 @@ __all__ = [
     "compiled_graphs",
     "capture",
     "release_graphs",
+    "estimate_graph_memory",
     "process_stats",
     "capture_table",
     "pool_bytes",
+    "GraphMemoryEstimate",
     "CaptureEvent",
     "inspect_split",
     "report",

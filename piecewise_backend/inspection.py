@@ -118,7 +118,9 @@ class SplitReport:
 
     def _attention_lines(self) -> list[str]:
         """One line per way attention runs here, with how many calls run that way."""
-        return [f"attention: {n} × {how}" for how, n in self.graph.stats.attention.items()]
+        stats = self.graph.stats
+        unsafe = [f"split at ops tagged cudagraph_unsafe: {', '.join(stats.unsafe_ops)}"] if stats.unsafe_ops else []
+        return unsafe + [f"attention: {n} × {how}" for how, n in stats.attention.items()]
 
     __repr__ = __str__
 

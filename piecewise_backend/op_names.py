@@ -44,6 +44,20 @@ def canonical_op_name(target: object) -> str | None:
     return None
 
 
+_CUDAGRAPH_UNSAFE = getattr(torch.Tag, "cudagraph_unsafe", None)  # present in torch 2.11 to 2.14
+
+
+def is_cudagraph_unsafe(target: object) -> bool:
+    """Does the op carry ``torch.Tag.cudagraph_unsafe``, torch's own mark for an op that must not be
+    captured (Inductor's graph partition splits there)? Such an op is a splitting op whether or not
+    the user named it: its author said so where it was defined."""
+    if _CUDAGRAPH_UNSAFE is None:
+        return False
+    if _torch_internals.is_op_packet(target):
+        return any(_CUDAGRAPH_UNSAFE in getattr(target, o).tags for o in target.overloads())
+    return _torch_internals.is_op_overload(target) and _CUDAGRAPH_UNSAFE in target.tags
+
+
 def display_name(node: torch.fx.Node) -> str:
     """A short human name for a node's op, for tables and error messages."""
     if node.op == "call_method":
@@ -87,3 +101,16 @@ def validate_op_names(names: tuple[str, ...], option: str) -> tuple[str, ...]:
             )
         out.append(name.split(".")[0])
     return tuple(dict.fromkeys(out))
+
+
+def while_running(running: list) -> str:
+    """What a capture that failed was running (the ops in flight, innermost last), and for a custom op
+    the two fixes; empty if it ran none (``_torch_internals.OpsInFlight`` watches)."""
+    if not running:
+        return ""
+    name = canonical_op_name(running[-1]) or str(running[-1])
+    if name.split("::")[0] in ("aten", "prims"):
+        return f" while running {name}"
+    return (f" while running {name}, a custom op: if it must not be captured (host code, state outside its "
+            f"arguments), name it in extra_splitting_ops=[{name!r}] or tag it where it is defined: "
+            f"torch.library.custom_op(..., tags=(torch.Tag.cudagraph_unsafe,))")

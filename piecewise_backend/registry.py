@@ -13,6 +13,7 @@ import weakref
 from typing import Iterable
 
 from .runtime.devices import synchronize
+from .runtime.memory_estimate import estimate
 
 _GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
 _SERIALS = itertools.count(1)
@@ -44,6 +45,19 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
         warnings.warn(f"piecewise: capture({sizes!r}) captured nothing: no compiled graph can capture up front "
                       f"({reasons})", stacklevel=2)
     return {g.serial: g.capture(sizes) for g in able}
+
+
+def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
+    """The graph pool ``sizes`` need, from two captures (``runtime/memory_estimate.py``): size a KV
+    cache with what is left. ``graph``: a compiled graph (default: the one called most that can
+    capture up front). Captures the smallest and the largest of ``sizes`` if they are not yet."""
+    if graph is None:
+        able = [g for g in compiled_graphs() if g.can_capture_up_front]
+        if not able:
+            reasons = "; ".join(g.up_front.refusal() for g in compiled_graphs()) or "nothing has been compiled yet"
+            raise RuntimeError(f"piecewise: estimate_graph_memory: no compiled graph can capture up front ({reasons})")
+        graph = max(able, key=lambda g: g.stats.calls)
+    return estimate(graph, sizes)
 
 
 def release_graphs() -> int:

@@ -2,7 +2,8 @@
 
 Every node gets one of three kinds:
 
-* ``split``: a splitting op (attention). Each gets a piece of its own.
+* ``split``: a splitting op (attention), named in the options or tagged ``torch.Tag.cudagraph_unsafe``
+  where it was defined. Each gets a piece of its own.
 * ``eager``: must not be inside a captured graph: it mutates a graph input (the KV-cache write),
   or it needs a per-step scalar such as the KV position ``pos`` (cache slices, ``cos[pos:pos+S]``).
   Graphing those would either write the wrong buffer or recapture at every decode step.
@@ -33,7 +34,7 @@ from . import graph_facts as facts
 from .attention_placement import beside_attention, is_fixed_shape_attention
 from .in_place_writes import graph_safe_writes, only_whole_writes
 from .kinds import PieceKind
-from .op_names import canonical_op_name, display_name
+from .op_names import canonical_op_name, display_name, is_cudagraph_unsafe
 from .piece_boundaries import keep_containers_in_their_piece
 
 COMPUTE, SPLIT, EAGER = PieceKind.COMPUTE, PieceKind.SPLIT, PieceKind.EAGER
@@ -60,6 +61,7 @@ class SplitGraph:
     compute_nodes: tuple = ()  # nodes of the original graph that run in compute pieces
     written_inputs: frozenset = frozenset()  # names of graph inputs some node writes in place
     whole_writes: frozenset = frozenset()  # inputs written only whole, by captured writes (in_place_writes.py)
+    unsafe_ops: tuple = ()  # ops split at because they are tagged cudagraph_unsafe (not named), once each
 
     def piece(self, name: str) -> PieceSpec:
         return next(p for p in self.pieces if p.name == name)
@@ -77,6 +79,10 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
     attention: set = set()  # splitting ops, split or (fixed-shape attention) kept in their piece
     for node in graph.nodes:
         if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.op == "call_function" and is_cudagraph_unsafe(node.target):
+            kinds[node] = SPLIT  # never captured, whatever the mode: its author said so
+            attention.add(node)
             continue
         if node.op == "call_function" and canonical_op_name(node.target) in splitting_ops:
             attention.add(node)
@@ -314,5 +320,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
             eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group),
             writes_inputs=written))
     compute_nodes = tuple(n for n, k in kinds.items() if k == COMPUTE)
+    unsafe = tuple(dict.fromkeys(display_name(n) for n, k in kinds.items() if k == SPLIT and is_cudagraph_unsafe(n.target)
+                                 and canonical_op_name(n.target) not in splitting_ops))
     return SplitGraph(split_gm, pieces, steps, compute_nodes, facts.written_inputs(graph),
-                      only_whole_writes(graph, safe_writes))
+                      only_whole_writes(graph, safe_writes), unsafe)

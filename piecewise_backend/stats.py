@@ -55,10 +55,12 @@ class GraphStats:
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
+    unsafe_ops: tuple = ()  # ops split at because they are tagged torch.Tag.cudagraph_unsafe (not named)
     eager_sdpa: str = ""  # which SDPA kernels eager attention may use, and why (empty: torch's choice)
     attention: dict = dataclasses.field(default_factory=dict)  # how attention runs -> how many calls
     weight_sets: int = 0  # sets of parameter addresses seen with graphs (more than 1: weights moved)
     weight_sets_replaced: int = 0  # of those, dropped past max_weight_sets for a newer one
+    replaced_keys: list = dataclasses.field(default_factory=list)  # captured keys released for busier ones
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
     batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
@@ -119,6 +121,11 @@ class GraphStats:
         if self.weight_sets > 1:
             replaced = f" ({self.weight_sets_replaced} replaced by newer ones)" if self.weight_sets_replaced else ""
             lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses{replaced}")
+        if self.replaced_keys:
+            lines.append(f"captured sizes replaced by busier ones (max_captured_sizes): {len(self.replaced_keys)} "
+                         f"({', '.join(map(str, self.replaced_keys[:6]))}{', ...' if len(self.replaced_keys) > 6 else ''})")
+        if self.unsafe_ops:
+            lines.append(f"split at ops tagged cudagraph_unsafe: {', '.join(self.unsafe_ops)}")
         if self.attention:
             lines.append("attention: " + "; ".join(f"{n} × {how}" for how, n in self.attention.items()))
         if self.eager_sdpa:

@@ -429,3 +429,23 @@ def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_out
     assert seen["background_iterations"] > 0 and seen["background_errors"] == 0, seen
     assert seen["captures"] > 0 and seen["failed_captures"] == 0, seen
     assert calls == {"concurrent_calls": 12, "concurrent_wrong": 0, "concurrent_errors": 0, "concurrent_threads": 2}
+
+
+def test_serving_benchmark_times_an_engine_and_counts_its_captures_and_replaced_sizes():
+    """``serving.py``'s row on CPU (graphs emulated): the engine warmed up, served a trace, and with
+    ``max_captured_sizes=8`` the sizes captured followed the traffic (lazy captures happened while
+    serving, and show as stalls)."""
+    import serving
+
+    import piecewise_backend
+
+    args = argparse.Namespace(config="tiny", requests=10, rate=0.0, max_num_tokens=32, max_num_seqs=4,
+                              agreement_requests=3)
+    with piecewise_backend.emulated_graphs():
+        torch._dynamo.reset()
+        row = serving.serve(args, "piecewise-cap8", "cpu")
+        agreement = serving.agreement(args, "piecewise", "cpu")
+    assert row["output_tokens"] > 0 and row["tokens_per_s"] > 0 and row["itl_p50_ms"] > 0, row
+    assert 0 < row["captures"] and row["failed_captures"] == 0 and row["replays"] > 0, row
+    assert row["worst_capture_stall_ms"] is not None and row["steps"] > 0
+    assert agreement == 1.0

@@ -1,10 +1,14 @@
 """Capture-policy logic without a GPU: options, schemes, bucket choice, lazy/eager, budgets."""
 
 import pytest
+import torch
 
 from piecewise_backend import PiecewiseConfig
 from piecewise_backend.kinds import Miss
+from piecewise_backend.runtime import capture_traffic, memory_estimate
 from piecewise_backend.runtime.capture_policy import CapturePolicy, Plan
+from piecewise_backend.runtime.capture_traffic import CaptureTraffic
+from piecewise_backend.runtime.memory_estimate import GraphMemoryEstimate, fit
 from piecewise_backend.config import scheme_sizes
 
 
@@ -119,3 +123,43 @@ def test_new_shapes_stop_being_captured_while_earlier_ones_never_replayed():
     assert policy.admit((2, 9), captured, lambda: 0).capture  # up front (capture()): not limited
     unlimited = _policy(capture_sizes=[2, 4, 8], max_unreplayed_captures=None)
     assert unlimited.plan((2, 8), captured, lambda: 0, unreplayed=captured).capture
+
+
+def test_a_refused_size_that_keeps_coming_replaces_the_least_used_captured_one():
+    traffic = CaptureTraffic(window=64)
+    captured = {(2,), (4,)}
+    for _ in range(20):
+        traffic.saw((2,))
+    traffic.saw((4,))
+    for _ in range(capture_traffic.MIN_CALLS - 1):
+        traffic.saw((8,))
+    assert traffic.victim((8,), captured) is None  # not yet MIN_CALLS calls
+    traffic.saw((8,))
+    assert traffic.victim((8,), captured) == (4,)  # 16 calls > 2 x 1: the least used goes
+    for _ in range(30):  # (4,) comes back: 31 calls, not more than twice the least used's 16 (8,)
+        traffic.saw((4,))
+    assert traffic.victim((4,), {(2,), (8,)}) is None
+    for _ in range(64):  # the window forgets: only (4,) came lately
+        traffic.saw((4,))
+    assert traffic.calls((8,)) == 0 and traffic.victim((4,), {(2,), (8,)}) == (2,)  # ties: the smaller key
+
+
+def test_graph_memory_is_a_line_through_two_captures_and_answers_for_a_list_and_a_budget():
+    fixed, per_row = fit([(8, 30 * 2**20), (64, 100 * 2**20)])
+    assert per_row == 70 * 2**20 / 56 and fixed == pytest.approx(20 * 2**20)
+    guess = GraphMemoryEstimate((8, 64), 100 * 2**20, ((8, 30 * 2**20), (64, 100 * 2**20)), fixed, per_row)
+    assert guess.for_sizes([8, 16, 512]) == int(fixed + per_row * 512)  # the largest size decides
+    assert guess.for_sizes([1, 2]) == int(fixed + per_row * 2)
+    assert fit([(8, 40), (64, 30)]) == (40, 0.0)  # a pool that did not grow: no negative slope
+    assert guess.largest_size_within(120 * 2**20, [8, 64, 72, 80, 96]) == 80  # 20 + 100 = 120 MiB at 80
+    assert guess.largest_size_within(10 * 2**20, [8, 64]) is None
+    assert fit([(512, 96 * 2**20)]) == (0.0, 96 * 2**20 / 512)  # one size: through the origin
+    assert "MiB" in str(guess)
+
+
+def test_estimating_graph_memory_off_the_gpu_says_where_it_must_run():
+    import types
+
+    graph = types.SimpleNamespace(device=torch.device("cpu"), serial=7)
+    with pytest.raises(ValueError, match="graph 7 runs on cpu: graph memory is measured from the CUDA allocator"):
+        memory_estimate.estimate(graph)

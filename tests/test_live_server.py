@@ -275,11 +275,11 @@ def test_a_failed_capture_is_tried_again_after_a_few_calls_and_then_replays(monk
 
     real, failures = piece_runner.EmulatedGraph, []
 
-    def flaky(fn, args):  # the first capture fails, as one invalidated by another thread's work did
+    def flaky(fn, args, capture=None):  # the first capture fails, as one invalidated by another thread's work did
         if not failures:
             failures.append(1)
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        return real(fn, args)
+        return real(fn, args, capture)
 
     monkeypatch.setattr(piece_runner, "EmulatedGraph", flaky)
     x = torch.randn(4, 16)
@@ -304,7 +304,7 @@ def test_a_failed_capture_warns_and_never_raises_where_eager_does_not(monkeypatc
     model, compiled, start = _compiled_mlp()
     from piecewise_backend.runtime import piece_runner
 
-    def always_fails(fn, args):
+    def always_fails(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(piece_runner, "EmulatedGraph", always_fails)

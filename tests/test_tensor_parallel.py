@@ -35,8 +35,8 @@ def _fail_capture_at(key: tuple, nth: int) -> None:
 
     record, seen = PieceRunner._record, []
 
-    def failing_record(self, capture_args, checks):
-        result = record(self, capture_args, checks)
+    def failing_record(self, *args):
+        result = record(self, *args)
         if self.step.key == key:
             seen.append(self.name)
             if len(seen) == nth:

@@ -28,6 +28,7 @@ class Plan:
         capture: no graph exists for ``key`` yet; this call captures it.
         miss: why the call runs un-graphed (stats count by it).
         detail: the reason with its numbers, for people.
+        wanted: the key a refused capture would have captured (``capture_traffic.py`` counts it).
     """
 
     key: tuple | None
@@ -36,6 +37,7 @@ class Plan:
     capture: bool = False
     miss: Miss | None = None
     detail: str | None = None
+    wanted: tuple | None = None
 
 
 def _mib(n: float) -> str:
@@ -59,6 +61,10 @@ class CaptureBudget:
     @property
     def needs_pool_bytes(self) -> bool:
         return self.max_bytes is not None
+
+    @property
+    def caps_sizes(self) -> bool:
+        return self.max_sizes is not None
 
     def refusal(self, size: int | None, captured: int, pool_bytes: int) -> str | None:
         """Why capturing one more size (``size`` rows) is refused, or None if it is allowed."""
@@ -165,7 +171,8 @@ class CapturePolicy:
                                  "another rank of this graph's collective group is over its capture budget; "
                                  "every rank skips this size so their collectives stay paired")
         if refusal:
-            return Plan(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal)
+            return Plan(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal,
+                        wanted=key)
         return Plan(key, size, padded=bucket != size, capture=True)
 
     def churn(self, key: tuple, unreplayed: set) -> str | None:

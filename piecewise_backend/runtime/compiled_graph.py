@@ -11,7 +11,9 @@ between the replays. Per call, in order:
 3. the parameters' addresses choose the set of graphs (``weight_sets.py``);
 4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Plan`: replay a captured
    key (maybe padded), capture a new one, or run un-graphed with a counted reason;
-5. the runners are told through the step protocol (``StepState``) and the split graph runs.
+5. under ``max_captured_sizes``, a refused key that keeps coming replaces the least used captured
+   one (``capture_traffic.py``);
+6. the runners are told through the step protocol (``StepState``) and the split graph runs.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from ..stats import CaptureEvent, GraphStats, PieceStats
 from .call_guard import call_guard
 from .capture_policy import CapturePolicy, Plan
 from .capture_retries import CaptureRetries
+from .capture_traffic import CaptureTraffic
+from .distributed import agreed_refusal
 from .devices import pool_bytes, synchronize
 from .piece_runner import PieceRunner, StepState
 from .up_front import UpFrontCapture
@@ -60,6 +64,7 @@ class CompiledGraph:
         self._plans: dict[tuple, Plan] = {}
         self._unreplayed: set = set()  # keys captured lazily and not replayed since (capture_policy.churn)
         self._retries = CaptureRetries()  # keys whose capture failed, tried again later (capture_retries.py)
+        self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None  # capture_traffic.py
         self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
         self.up_front = UpFrontCapture(self)
         self._warned: set = set()
@@ -155,6 +160,8 @@ class CompiledGraph:
             plan = self._new_plan(key, args)
         if plan.size is not None:
             self.stats.batch_sizes[plan.size] += 1
+        if self._traffic is not None:
+            plan = self._follow_traffic(plan, key, args)
         if plan.key is None:
             step.ungraphed()
             self.stats.misses[plan.miss] += 1
@@ -173,12 +180,28 @@ class CompiledGraph:
     def _forget(self, captured_key: tuple, key: tuple, args: tuple) -> Plan:
         """Drop the graphs of ``captured_key`` (one of its pieces failed to capture) and plan the call
         anew: the whole step is captured again (``capture_retries.py`` says why not one piece)."""
+        self._drop(captured_key)
+        return self._new_plan(key, args)
+
+    def _drop(self, captured_key: tuple) -> None:
         for runner in self.runners.values():
             runner.captures.pop(captured_key, None)
             runner.failed_keys.discard(captured_key)
         self.captured.discard(captured_key)
         self._unreplayed.discard(captured_key)
         self._plans.clear()
+
+    def _follow_traffic(self, plan: Plan, key: tuple, args: tuple) -> Plan:
+        """Count the call's key; a key refused by ``max_captured_sizes`` that keeps coming replaces
+        the least used captured key (``capture_traffic.py``), every rank agreeing."""
+        decide, victim = self._traffic.replacement(plan, self.captured, self.policy, self.pool_bytes)
+        if not decide or agreed_refusal(self.plan.agreement, None if victim is not None else "keeps its graphs",
+                                        "another rank keeps them"):
+            return plan
+        self._drop(victim)
+        self.stats.replaced_keys.append(victim)
+        log.info("piecewise: graph %d: shape key %s replaces %s (%s)", self.serial, plan.wanted, victim,
+                 self._traffic.describe(plan.wanted, victim))
         return self._new_plan(key, args)
 
     def _count_batch(self, args: tuple) -> None:
@@ -360,6 +383,6 @@ def _new_stats(plan: GraphPlan) -> GraphStats:
     return GraphStats(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
                       num_split_pieces=len(plan.split.pieces) - compute, inductor_compiles=plan.inductor_compiles,
                       inductor_seconds=plan.inductor_seconds, graphs_disabled_reason=plan.graphs_disabled_reason,
-                      padding=plan.padding.note,
+                      padding=plan.padding.note, unsafe_ops=plan.split.unsafe_ops,
                       eager_sdpa=plan.sdpa_backends.reason if plan.sdpa_backends is not None else "",
                       attention=dict(collections.Counter(how for _, how in plan.attention)))

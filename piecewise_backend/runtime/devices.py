@@ -58,6 +58,7 @@ class DeviceGraphs:
         self.generator = GeneratorAside(index)
         self._pool: tuple | None = None  # (handle, keeper graph)
         self._retired: list[tuple] = []  # (handle, keeper) of pools given up after a failed capture
+        self._graphs_in_pool = 0  # captures that succeeded into the live pool
 
     @property
     def pool(self):
@@ -86,7 +87,9 @@ class DeviceGraphs:
         """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` in this device's pool;
         return the captured call's result. ``draws_random``: ``fn`` uses the default CUDA generator
         (its captured kernels must advance it on replay, so it stays registered with the graph)."""
-        return self._capture(graph, self.pool, fn, warmup_runs, after_warmup, draws_random)
+        result = self._capture(graph, self.pool, fn, warmup_runs, after_warmup, draws_random)
+        self._graphs_in_pool += 1
+        return result
 
     def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, draws_random: bool = False):
         """What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
@@ -111,8 +114,13 @@ class DeviceGraphs:
                 self.generator.capture_begin(graph, pool)
             try:
                 result = fn()
-            finally:
-                graph.capture_end()
+            except BaseException:
+                try:
+                    graph.capture_end()
+                except Exception:  # the capture is broken either way: fn's error says why, not this one
+                    pass
+                raise
+            graph.capture_end()
         torch.cuda.current_stream().wait_stream(side)
         return result
 
@@ -122,15 +130,22 @@ class DeviceGraphs:
         A failed capture can leave the allocator recording into the pool and the CUDA RNG in capture
         mode (then any random op raises "Offset increment outside graph capture encountered
         unexpectedly"; seen on torch 2.11). We stop the recording, retire the pool and open a fresh
-        one right away: its keeper capture is a capture that succeeds, which puts the RNG back.
+        one right away: its keeper capture is a capture that succeeds, which puts the RNG back. A
+        pool that no capture succeeded in is not kept: its keeper goes with it, and what the
+        failed captures allocated is handed back (``empty_cache``), not held for the process (an
+        attention op nobody declared made every capture fail and kept 630 MiB, seen on the H200).
         """
         if self._pool is None:
             return
-        self._retired.append(self._pool)
         _torch_internals.stop_pool_recording(self.index, self._pool[0])
-        self._pool = None
+        failed_only = self._graphs_in_pool == 0
+        if not failed_only:
+            self._retired.append(self._pool)  # its graphs keep replaying from it
+        self._pool, self._graphs_in_pool = None, 0
         try:
             torch.cuda.synchronize(self.index)
+            if failed_only:  # nothing but the failed captures' memory: hand it back
+                torch.cuda.empty_cache()
             self.pool  # noqa: B018 - opens the fresh pool now
         except Exception:  # called while falling back: never raise there; the next capture opens one
             pass

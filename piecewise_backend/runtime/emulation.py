@@ -31,6 +31,16 @@ def emulating() -> bool:
     return _EMULATING.get()
 
 
+_CAPTURING = contextvars.ContextVar("piecewise_emulated_capture", default=False)
+
+
+def capturing() -> bool:
+    """True while an emulated graph is being captured: on CPU, what
+    ``torch.cuda.is_current_stream_capturing()`` says on CUDA (for tests of ops that must not be
+    captured)."""
+    return _CAPTURING.get()
+
+
 def as_tuple(outputs):
     """Compiled pieces return a *list* of outputs (AOTAutograd); treat it like split_module's tuple.
 
@@ -44,9 +54,14 @@ class EmulatedGraph:
     """A CPU stand-in for a CUDA graph: replay re-runs the piece on the captured input buffers and
     copies the results into the captured outputs, so addresses stay fixed exactly as a graph's do."""
 
-    def __init__(self, fn: Callable, args: list):
+    def __init__(self, fn: Callable, args: list, capture: Callable | None = None):
+        """Capture ``fn(*args)`` (run through ``capture`` when given: a watched call of ``fn``)."""
         self.fn, self.args = fn, args
-        self.outputs = as_tuple(fn(*args))
+        token = _CAPTURING.set(True)
+        try:
+            self.outputs = as_tuple((capture or fn)(*args))
+        finally:
+            _CAPTURING.reset(token)
 
     def replay(self) -> None:
         flat = self.outputs if isinstance(self.outputs, tuple) else (self.outputs,)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .. import _torch_internals
+from .. import _torch_internals, op_names
 from ..stats import PieceStats
 from ..symbolic import evaluate, strides_at, symbol_values
 from .devices import device_graphs
@@ -260,11 +260,13 @@ class PieceRunner:
     def _capture(self, key: tuple, args: tuple):
         start = time.perf_counter()
         failure = None
+        watch = _torch_internals.OpsInFlight()  # which op a failing capture was running
         try:
             capture_args, checks = self._capture_inputs(args)
-            captured, outputs = self._record(capture_args, checks)
+            captured, outputs = self._record(capture_args, checks, watch)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
-            failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})"
+            failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})" \
+                      f"{op_names.while_running(watch.running)}"
             device = self._device(args)
             if device.type == "cuda":
                 device_graphs(device).recover()
@@ -356,20 +358,25 @@ class PieceRunner:
         """The graph's device (a Python float passed as a CPU scalar may come first among the args)."""
         return self.device or next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cuda"))
 
-    def _record(self, capture_args: list, checks: list):
+    def _record(self, capture_args: list, checks: list, watch):
         step = self.step
         device = self._device(capture_args)
         restore = self._warmup_undo(capture_args)
+
+        def watched(*call_args):
+            with watch:
+                return self.fn(*call_args)
+
         if device.type == "cuda":
             graph = torch.cuda.CUDAGraph()
-            outputs = as_tuple(device_graphs(device).capture(graph, lambda: self.fn(*capture_args), self.warmup_runs,
+            outputs = as_tuple(device_graphs(device).capture(graph, lambda: watched(*capture_args), self.warmup_runs,
                                                               restore, self.draws_random))
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)
             if restore is not None:
                 restore()
-            graph = EmulatedGraph(self.fn, capture_args)
+            graph = EmulatedGraph(self.fn, capture_args, watched)
             outputs = graph.outputs
 
         flat = outputs if isinstance(outputs, tuple) else (outputs,)

@@ -1,0 +1,457 @@
+"""A small serving engine, written the way serving engines write models, for tests and benchmarks.
+
+The model is what vLLM and nano-vllm hand ``torch.compile``: tokens flattened to ``[num_tokens]``
+(every request of the step, prefill chunks and decode tokens, one after the other), fused QKV split
+by ``.split``, RMSNorm, SwiGLU, GQA, RoPE rows gathered by a positions tensor, and attention a
+``torch.library.custom_op`` that writes a preallocated ``out`` and reads and writes a **paged** KV
+cache held outside the graph, through a forward context the engine sets for each step (block
+tables, slot mapping, sequence lengths). The backend cannot see inside that op; it must not be
+captured (its metadata changes every step), so it is either named in ``extra_splitting_ops`` or
+tagged ``torch.Tag.cudagraph_unsafe`` (:data:`TAGGED_ATTENTION`).
+
+The engine (:class:`Engine`) is a continuous-batching loop: a request queue, decode tokens first,
+then prefill chunks under a token budget, blocks from a free list, greedy sampling of each request's
+last token outside the compiled model.
+
+Attention runs torch's own varlen attention (``torch.nn.attention.varlen.varlen_attn``, flash) on
+CUDA in half precision, over K/V gathered from the pages (torch 2.11's varlen_attn takes neither
+a block table nor grouped heads; later versions take both, a path not used here because the only
+GPU at hand runs 2.11). Elsewhere (CPU, fp32) a per-request SDPA with a bottom-right causal mask.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["EngineConfig", "TINY", "QWEN2_5_1_5B", "EngineModel", "Engine", "Request", "seeded_trace",
+           "ATTENTION", "TAGGED_ATTENTION", "forward_context"]
+
+ATTENTION = "engine::attention"  # must be named in extra_splitting_ops
+TAGGED_ATTENTION = "engine::attention_tagged"  # the same op, tagged cudagraph_unsafe: found by the backend
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    vocab: int = 256
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate: int = 128
+    rope_theta: float = 10000.0
+    eps: float = 1e-6
+    max_position: int = 2048
+    block_size: int = 16
+    attention_op: str = ATTENTION
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+TINY = EngineConfig()
+# Qwen2.5-1.5B's dimensions (random weights): 28 layers, hidden 1536, 12 query heads, 2 KV heads
+QWEN2_5_1_5B = EngineConfig(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
+                            rope_theta=1e6, max_position=4096)
+
+
+# -- the forward context: per-step metadata the attention op reads ---------------------------------
+
+@dataclasses.dataclass
+class StepMetadata:
+    """What one step's attention needs, built by the engine before the forward."""
+
+    kv_caches: list  # per layer (k, v), each [num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) of each token
+    query_start: torch.Tensor  # [num_seqs + 1] int32: where each request's tokens start in the step
+    key_start: torch.Tensor  # [num_seqs + 1] int32: where each request's keys start in ``kv_slots``
+    kv_slots: torch.Tensor  # [total keys] int64: the slots of every request's keys, request after request
+    query_lens: list  # host copies, for the loop of the fallback and varlen's max lengths
+    seq_lens: list  # keys per request after this step's tokens are written
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
+_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("engine_forward_context", default=None)
+
+
+@contextlib.contextmanager
+def forward_context(metadata: StepMetadata):
+    token = _CONTEXT.set(metadata)
+    try:
+        yield
+    finally:
+        _CONTEXT.reset(token)
+
+
+def _varlen():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+_VARLEN_ATTN = _varlen()
+
+
+def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
+    """Write this step's keys and values into the pages, attend over each request's keys.
+
+    Like any op that reads per-step state from outside its arguments, it is wrong inside a CUDA graph
+    (a replay would read the capture step's metadata): it says so if it finds itself captured.
+    """
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{ATTENTION} reads per-step metadata from the engine's forward context and "
+                           f"must not be captured in a CUDA graph")
+    meta: StepMetadata = _CONTEXT.get()
+    if meta is None or meta.num_tokens != q.shape[0]:
+        raise RuntimeError(f"{ATTENTION}: called with {q.shape[0]} tokens outside a forward context for "
+                           f"them (Engine.step sets it)")
+    k_cache, v_cache = meta.kv_caches[layer]
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    keys, values = k_flat.index_select(0, meta.kv_slots), v_flat.index_select(0, meta.kv_slots)
+    group = q.shape[1] // kv_heads
+    if _VARLEN_ATTN is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        out.copy_(_varlen_attention(q, keys, values, meta, group))
+        return
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    q_start = k_start = 0
+    for q_len, k_len in zip(meta.query_lens, meta.seq_lens):
+        qi = q[q_start:q_start + q_len].transpose(0, 1)
+        ki, vi = keys[k_start:k_start + k_len].transpose(0, 1), values[k_start:k_start + k_len].transpose(0, 1)
+        # bottom-right causal: query i sees the keys up to its own position (k_len - q_len + i)
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
+        out[q_start:q_start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask).transpose(0, 1)
+        q_start, k_start = q_start + q_len, k_start + k_len
+
+
+_GROUPED_KV = [True]  # whether this torch's varlen kernel took K/V with fewer heads than Q
+
+
+def _varlen_attention(q, keys, values, meta: StepMetadata, group: int) -> torch.Tensor:
+    """torch's varlen (flash) attention, bottom-right causal. Flash takes grouped K/V heads as they
+    are (torch 2.11's wrapper has no ``enable_gqa`` flag but passes them on); a torch whose kernel
+    refuses them gets them repeated, once found out."""
+    lengths = (meta.query_start, meta.key_start, max(meta.query_lens), max(meta.seq_lens))
+    if group > 1 and _GROUPED_KV[0]:
+        try:
+            return _VARLEN_ATTN(q, keys, values, *lengths, window_size=(-1, 0))
+        except RuntimeError:
+            _GROUPED_KV[0] = False
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return _VARLEN_ATTN(q, keys, values, *lengths, window_size=(-1, 0))
+
+
+def _register(name: str, tags: tuple) -> None:
+    op = torch.library.custom_op(name, mutates_args=("out",), tags=tags)(_attention_impl)
+    op.register_fake(lambda q, k, v, out, layer: None)
+
+
+_register(ATTENTION, ())
+_register(TAGGED_ATTENTION, (torch.Tag.cudagraph_unsafe,))
+
+
+def _op(name: str):
+    namespace, op_name = name.split("::")
+    return getattr(getattr(torch.ops, namespace), op_name)
+
+
+# -- the model -------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(hidden)), eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).to(dtype) * self.weight
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE, halves rotated (Qwen2/Llama's form); ``cos``/``sin`` are [num_tokens, head_dim // 2]."""
+    x1, x2 = x.chunk(2, -1)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: EngineConfig, index: int):
+        super().__init__()
+        self.index, self.cfg = index, cfg
+        self.q_size, self.kv_size = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.input_norm, self.post_norm = RMSNorm(cfg.hidden, cfg.eps), RMSNorm(cfg.hidden, cfg.eps)
+        self.qkv = nn.Linear(cfg.hidden, self.q_size + 2 * self.kv_size, bias=True)  # Qwen2: QKV bias
+        self.o = nn.Linear(self.q_size, cfg.hidden, bias=False)
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
+        self.attention = _op(cfg.attention_op)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        q, k, v = self.qkv(self.input_norm(h)).split([self.q_size, self.kv_size, self.kv_size], -1)
+        q = _rotate(q.view(-1, cfg.heads, cfg.head_dim), cos, sin)
+        k = _rotate(k.view(-1, cfg.kv_heads, cfg.head_dim), cos, sin)
+        out = torch.empty_like(q)
+        self.attention(q, k, v.view(-1, cfg.kv_heads, cfg.head_dim), out, self.index)
+        h = h + self.o(out.view(-1, self.q_size))
+        gate, up = self.gate_up(self.post_norm(h)).chunk(2, -1)
+        return h + self.down(F.silu(gate) * up)
+
+
+class EngineModel(nn.Module):
+    """``forward(input_ids [N], positions [N]) -> hidden [N, hidden]``; :meth:`logits` is separate,
+    run by the engine on each request's last token only (as vLLM's ``compute_logits``)."""
+
+    def __init__(self, cfg: EngineConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.layers))
+        self.norm = RMSNorm(cfg.hidden, cfg.eps)
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim)
+        angles = torch.outer(torch.arange(cfg.max_position).float(), inv)
+        self.register_buffer("cos_sin", torch.cat((angles.cos(), angles.sin()), -1), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed(input_ids)
+        cos, sin = self.cos_sin.index_select(0, positions).to(h.dtype).chunk(2, -1)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.embed.weight.t()  # tied embeddings, as Qwen2.5-1.5B
+
+    def init_weights_(self, seed: int = 0) -> "EngineModel":
+        """Random weights scaled so that activations stay O(1) through every layer."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    continue
+                fan_in = p.shape[-1] if p.dim() > 1 else p.shape[0]
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+        return self
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Request:
+    id: int
+    prompt: list
+    max_new_tokens: int
+    arrival: float = 0.0  # seconds after the engine's start at which it may be scheduled
+    output: list = dataclasses.field(default_factory=list)
+    computed: int = 0  # tokens whose keys are in the cache
+    blocks: list = dataclasses.field(default_factory=list)
+    token_times: list = dataclasses.field(default_factory=list)  # perf_counter of each output token
+
+    @property
+    def tokens(self) -> list:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new_tokens
+
+
+@dataclasses.dataclass
+class StepRecord:
+    start: float  # perf_counter when the step began
+    seconds: float
+    num_tokens: int
+    num_decode: int
+    num_prefill_tokens: int
+
+
+class Engine:
+    """Continuous batching over a paged KV cache.
+
+    Args:
+        model: the :class:`EngineModel` (its ``logits`` and config are used).
+        forward: what runs ``model(input_ids, positions)``: the model itself (eager) or a
+            ``torch.compile`` of it.
+        max_num_tokens: the token budget of a step (decode tokens first, prefill chunks fill the rest).
+        max_num_seqs: requests running at once.
+        num_blocks: KV-cache pages (of ``cfg.block_size`` tokens each), per layer.
+        mark_dynamic: mark the token count dynamic at every step (``torch._dynamo.mark_dynamic``).
+    """
+
+    def __init__(self, model: EngineModel, forward: Callable | None = None, *, max_num_tokens: int = 64,
+                 max_num_seqs: int = 8, num_blocks: int = 64, device="cpu", dtype=torch.float32,
+                 mark_dynamic: bool = True):
+        cfg = model.cfg
+        self.model, self.forward = model, model if forward is None else forward
+        self.cfg, self.device = cfg, torch.device(device)
+        self.max_num_tokens, self.max_num_seqs, self.mark_dynamic = max_num_tokens, max_num_seqs, mark_dynamic
+        shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
+        self.kv_caches = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+                          for _ in range(cfg.layers)]
+        self.free_blocks = collections.deque(range(num_blocks))
+        self.waiting: collections.deque = collections.deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.steps: list[StepRecord] = []
+        self._start = time.perf_counter()
+
+    def add(self, request: Request) -> None:
+        needed = -(-(len(request.prompt) + request.max_new_tokens) // self.cfg.block_size)
+        if needed > len(self.free_blocks) + sum(len(r.blocks) for r in self.running):
+            raise ValueError(f"request {request.id} needs {needed} KV blocks; the engine has "
+                             f"{len(self.free_blocks)} free: raise num_blocks")
+        self.waiting.append(request)
+
+    def warm_up(self) -> None:
+        """What an engine does before it serves (vLLM's dummy runs): one step at the full token budget
+        and one decode step of a single token, so that compiling (and any capture up front) happens
+        here, not at the first request. Leaves the engine as it was."""
+        dummy = [Request(-1, [0] * self.max_num_tokens, 1), Request(-2, [0], 2)]
+        for request in dummy:
+            self.run([request])
+        self.finished.clear()
+        self.steps.clear()
+
+    def run(self, requests: list[Request], realtime: bool = False) -> list[Request]:
+        """Serve ``requests`` to the end; ``realtime``: hold each back until its arrival time."""
+        pending = collections.deque(sorted(requests, key=lambda r: r.arrival))
+        self._start = time.perf_counter()
+        while pending or self.waiting or self.running:
+            now = time.perf_counter() - self._start if realtime else math.inf
+            while pending and pending[0].arrival <= now:
+                self.add(pending.popleft())
+            if not (self.waiting or self.running):
+                time.sleep(max(0.0, min(pending[0].arrival - now, 0.01)))
+                continue
+            self.step()
+        return sorted(self.finished, key=lambda r: r.id)
+
+    # -- one step ------------------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[Request, int]]:
+        """(request, tokens this step): every running request's decode token, then prefill chunks."""
+        budget, chosen = self.max_num_tokens, []
+        for request in self.running:
+            if request.computed >= len(request.prompt) and budget > 0:
+                chosen.append((request, 1))
+                budget -= 1
+        for request in self.running:  # a prompt chunked in an earlier step goes on
+            if request.computed < len(request.prompt) and budget > 0:
+                n = min(len(request.prompt) - request.computed, budget)
+                chosen.append((request, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            needed = -(-(len(request.prompt) + request.max_new_tokens) // self.cfg.block_size)
+            if needed > len(self.free_blocks):
+                break
+            self.waiting.popleft()
+            request.blocks = [self.free_blocks.popleft() for _ in range(needed)]
+            self.running.append(request)
+            n = min(len(request.prompt), budget)
+            chosen.append((request, n))
+            budget -= n
+        return chosen
+
+    def _inputs(self, chosen: list[tuple[Request, int]]):
+        """The step's token ids, positions and attention metadata. Slots are computed with vectorised
+        CPU ops (a Python loop over every cached token took milliseconds per step at 64 requests of
+        1,000 tokens: more than the GPU's step) and sent to the device in one copy each."""
+        block = self.cfg.block_size
+        ids, q_lens, k_lens, starts = [], [], [], []
+        for request, n in chosen:
+            start, prompt = request.computed, len(request.prompt)
+            ids += request.prompt[start:start + n] if start < prompt else request.output[start - prompt:start - prompt + n]
+            q_lens.append(n)
+            k_lens.append(start + n)
+            starts.append(start)
+        tables = torch.zeros(len(chosen), max(len(r.blocks) for r, _ in chosen), dtype=torch.int64)
+        for i, (request, _) in enumerate(chosen):
+            tables[i, :len(request.blocks)] = torch.tensor(request.blocks)
+        q_counts, k_counts = torch.tensor(q_lens), torch.tensor(k_lens)
+        q_start = torch.cat((torch.zeros(1, dtype=torch.int64), q_counts.cumsum(0)))
+        k_start = torch.cat((torch.zeros(1, dtype=torch.int64), k_counts.cumsum(0)))
+        rows = torch.arange(len(chosen))
+
+        def slots_of(seq, pos):  # the cache slot of each (request, position)
+            return tables[seq, pos // block] * block + pos % block
+
+        seq_q = rows.repeat_interleave(q_counts)
+        positions = torch.arange(int(q_start[-1])) - q_start[:-1].repeat_interleave(q_counts) + \
+            torch.tensor(starts).repeat_interleave(q_counts)
+        seq_k = rows.repeat_interleave(k_counts)
+        key_positions = torch.arange(int(k_start[-1])) - k_start[:-1].repeat_interleave(k_counts)
+        device = self.device
+
+        def sent(t, dtype=torch.int64):
+            return t.to(dtype).to(device, non_blocking=True)
+
+        meta = StepMetadata(self.kv_caches, sent(slots_of(seq_q, positions)), sent(q_start, torch.int32),
+                            sent(k_start, torch.int32), sent(slots_of(seq_k, key_positions)), q_lens, k_lens)
+        return sent(torch.tensor(ids)), sent(positions), meta
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        chosen = self._schedule()
+        ids, positions, meta = self._inputs(chosen)
+        if self.mark_dynamic:  # as vLLM does: one graph for every token count, not one per first size
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        with forward_context(meta), torch.inference_mode():
+            hidden = self.forward(ids, positions)
+            last, sampling = [], []
+            offset = 0
+            for request, n in chosen:
+                offset += n
+                if request.computed + n >= len(request.prompt):  # the prompt is in: its last token samples
+                    last.append(offset - 1)
+                    sampling.append(request)
+            tokens = self.model.logits(hidden[torch.tensor(last, device=self.device)]).argmax(-1).tolist() \
+                if last else []
+        now = time.perf_counter()
+        for request, n in chosen:
+            request.computed += n
+        for request, token in zip(sampling, tokens):
+            request.output.append(token)
+            request.token_times.append(now)
+        for request in [r for r in self.running if r.done]:
+            self.running.remove(request)
+            self.free_blocks.extend(request.blocks)
+            request.blocks = []
+            self.finished.append(request)
+        self.steps.append(StepRecord(start, now - start, int(ids.shape[0]), sum(1 for _, n in chosen if n == 1),
+                                     sum(n for _, n in chosen if n > 1)))
+
+
+def seeded_trace(n: int, seed: int = 0, vocab: int = 256, prompt=(4, 40), output=(2, 12), rate: float = 0.0):
+    """``n`` requests with prompt and output lengths uniform in the given ranges (inclusive) and,
+    for ``rate`` > 0, Poisson arrivals at ``rate`` requests per second (else all at once)."""
+    g = torch.Generator().manual_seed(seed)
+    requests, arrival = [], 0.0
+    for i in range(n):
+        p = int(torch.randint(prompt[0], prompt[1] + 1, (), generator=g))
+        o = int(torch.randint(output[0], output[1] + 1, (), generator=g))
+        if rate > 0:
+            arrival += float(torch.empty(()).exponential_(rate, generator=g))
+        requests.append(Request(i, torch.randint(0, vocab, (p,), generator=g).tolist(), o, arrival))
+    return requests
