@@ -62,10 +62,19 @@ class DemoDecoder(nn.Module):
         return self.head(self.norm(x))
 
 
-def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: str) -> float:
-    """Median wall time of a greedy decode step (second half of ``steps``), the batch marked dynamic."""
+def _newest() -> int:
+    return max((g.serial for g in compiled_graphs()), default=0)
+
+
+def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: str, labels: dict | None = None) -> float:
+    """Median wall time of a greedy decode step (second half of ``steps``), the batch marked dynamic.
+    ``labels``: serial -> what it serves, for each graph this call compiled (prefill or decode, batch)."""
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
+    before = _newest()
     logits, times = step(ids, 0), []
+    if labels is not None:
+        labels.update({g.serial: f"prefill, first at batch {batch}" for g in compiled_graphs() if g.serial > before})
+        before = _newest()
     for pos in range(prompt, prompt + steps):
         ids = logits[:, -1:].argmax(-1)
         if batch > 1:
@@ -77,6 +86,10 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if labels is not None:
+            labels.update({g.serial: f"decode, first at batch {batch}" for g in compiled_graphs()
+                           if g.serial > before})
+            before = _newest()
     return statistics.median(times[steps // 2:]) * 1e3
 
 
@@ -108,18 +121,20 @@ def main(argv=None) -> None:
         print("No CUDA here: pieces run compiled with Inductor but un-graphed (same API, same results).")
 
     compiled = torch.compile(model, backend="piecewise")
-    rows = []
+    rows, labels = [], {}
     with torch.inference_mode():
+        _decode_ms(model, model.vocab, 1, prompt, 2, device)  # eager's own first calls (cuBLAS, kernels) untimed
         start = time.perf_counter()
-        _decode_ms(compiled, model.vocab, 1, prompt, 2, device)
+        _decode_ms(compiled, model.vocab, 1, prompt, 2, device, labels)
         print(f"first calls (compile + prefill + first decodes): {time.perf_counter() - start:.1f} s")
         for batch in args.batches:
             rows.append((batch, _decode_ms(model, model.vocab, batch, prompt, args.steps, device),
-                         _decode_ms(compiled, model.vocab, batch, prompt, args.steps, device)))
+                         _decode_ms(compiled, model.vocab, batch, prompt, args.steps, device, labels)))
 
     _show_pieces(max(compiled_graphs(), key=lambda g: g.stats.calls))  # the decode graph
     for g in compiled_graphs():
-        print(f"\ngraph {g.serial}:\n  " + g.stats.summary().replace("\n", "\n  "))
+        label = f" ({labels[g.serial]})" if g.serial in labels else ""
+        print(f"\ngraph {g.serial}{label}:\n  " + g.stats.summary().replace("\n", "\n  "))
         if g.stats.events:
             print("  " + g.stats.table().replace("\n", "\n  "))
     print("\ndecode step time (median):")

@@ -7,6 +7,7 @@ keys instead of being silently ignored on a GPU an hour later.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from typing import Any, Mapping
 
 from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
@@ -144,8 +145,10 @@ class PiecewiseConfig:
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - set(fields))
         if unknown:
+            close = {u: difflib.get_close_matches(u, fields, n=1) for u in unknown}
+            hints = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in close.items() if m)
             raise ValueError(
-                f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}. "
+                f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
         for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "capture_kv_writes", "graph_attention"):

@@ -138,8 +138,12 @@ class SplitReport:
 
     def figure(self, per_row: int = 12):
         """Pieces as boxes in execution order (blue: compiled and graphed, orange: attention, grey:
-        eager), wrapped every ``per_row`` pieces. Returns a matplotlib Figure."""
-        import matplotlib
+        eager), wrapped every ``per_row`` pieces. Returns a matplotlib Figure (needs matplotlib)."""
+        try:
+            import matplotlib
+        except ImportError as exc:
+            raise ImportError("piecewise: report.figure() and save_png() need matplotlib: pip install matplotlib "
+                              "(or pip install -e \".[notebooks]\"); print(report) needs nothing") from exc
 
         if matplotlib.get_backend().lower() == "agg" or not _in_notebook():
             matplotlib.use("Agg")

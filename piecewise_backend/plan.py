@@ -336,5 +336,7 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         agreement=rank_agreement(inputs.graph_module.graph),
         sdpa_backends=choose_sdpa_backends(config.eager_sdpa_backends,
                                            [node for spec, node in calls if spec.kind != PieceKind.COMPUTE
-                                            and node.target is not PREFIX_ATTENTION]),
+                                            and node.target is not PREFIX_ATTENTION],
+                                           "cuda" if emulating() else graph_device(inputs.fake_inputs,
+                                                                                   inputs.python_scalars).type),
         inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds)

@@ -17,6 +17,14 @@ def test_unknown_key_lists_accepted_options():
         PiecewiseConfig.from_options({"cuda_graphs": False})
 
 
+def test_an_unknown_key_close_to_an_option_names_it():
+    with pytest.raises(ValueError, match=r"Did you mean 'capture_sizes' for 'capture_size'\?"):
+        PiecewiseConfig.from_options({"capture_size": [1, 2]})
+    with pytest.raises(ValueError) as raised:
+        PiecewiseConfig.from_options({"zzz": 1})
+    assert "Did you mean" not in str(raised.value)
+
+
 @pytest.mark.parametrize("key,value", [("cudagraphs", 1), ("clone_outputs", "no")])
 def test_bool_options_reject_non_bools(key, value):
     with pytest.raises(TypeError, match=f"'{key}' must be True or False"):

@@ -2,6 +2,7 @@
 
 On CPU the flags change no kernel, but they are the same process-wide switches: each test puts a
 probe in an eager attention piece and reads the switches there, during a real call, and after it.
+``"auto"`` concerns cuDNN, a CUDA kernel: on CPU it acts only with graphs emulated.
 """
 
 import pytest
@@ -39,8 +40,8 @@ def _probe_attention_pieces(graph) -> list:
 
 
 def _decode_and_probe(model_cls, options, static_cache=False):
-    compiled, reference, start = compile_with_reference(model_cls, CFG, options)
-    with torch.no_grad():
+    with piecewise_backend.emulated_graphs(), torch.no_grad():  # read when the graphs compile, at their first call
+        compiled, reference, start = compile_with_reference(model_cls, CFG, options)
         results = decode_at_sizes(compiled, reference, (3, 3), static_cache=static_cache)
         graph = busiest_graph(start)
         seen = _probe_attention_pieces(graph)
@@ -73,6 +74,14 @@ def test_auto_leaves_torch_to_choose_where_kv_lengths_are_fixed(torch_defaults):
     graph, seen = _decode_and_probe(ToyStaticCacheLlama, SPLIT_ATTENTION, static_cache=True)
     assert graph.plan.sdpa_backends is None and graph.stats.eager_sdpa == ""
     assert seen and all(s["cudnn"] for s in seen), seen
+
+
+def test_auto_leaves_the_switches_alone_on_a_cpu_graph(torch_defaults):
+    compiled, reference, start = compile_with_reference(ToyLlama, CFG, SPLIT_ATTENTION)  # not emulated
+    with torch.no_grad():
+        assert_results_close(decode_at_sizes(compiled, reference, (3, 3)))
+    graph = busiest_graph(start)
+    assert graph.plan.sdpa_backends is None and "cuDNN" not in graph.stats.summary(), graph.stats.summary()
 
 
 def test_torch_option_leaves_the_switches_alone(torch_defaults):

@@ -142,3 +142,19 @@ def test_under_max_captured_sizes_a_size_that_keeps_coming_replaces_the_least_us
     assert graph.stats.events[1].call == 4 + capture_traffic.MIN_CALLS  # the call that reached MIN_CALLS
     assert graph.stats.misses["over the capture budget"] == capture_traffic.MIN_CALLS - 1 + 3
     assert "replaced by busier ones (max_captured_sizes): 1 ((2,))" in graph.stats.summary()
+
+
+def test_an_engine_whose_attention_op_is_neither_named_nor_tagged_warns_naming_it_and_serves_eager_tokens():
+    torch._dynamo.reset()
+    start = last_serial()
+    model = EngineModel(TINY).init_weights_().eval()
+    expected, _ = _serve(model, None, requests=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, _ = _serve(model, torch.compile(model, backend="piecewise"), requests=4)
+    assert got == expected
+    messages = [str(w.message) for w in caught if "capture at shape key" in str(w.message)]
+    assert messages and f"while running {ATTENTION}, a custom op" in messages[0], messages[:1]
+    assert f"extra_splitting_ops=['{ATTENTION}']" in messages[0] and "torch.Tag.cudagraph_unsafe" in messages[0]
+    graphs = graphs_since(start)
+    assert sum(g.stats.replays for g in graphs) == 0 and sum(g.stats.failed_captures for g in graphs) > 0

@@ -324,6 +324,21 @@ def test_transformers_compile_config_route():
     _assert_static_decode_is_one_graph(start)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what the README says of CPU")
+def test_the_readmes_compile_config_line_runs_eager_on_cpu_as_the_readme_says():
+    """README: transformers compiles through ``compile_config`` on CUDA only. Run exactly as written on
+    CPU (no private flag), generate() gives eager's tokens and the backend compiled nothing."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("llama", "cpu", layers=1)
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    mine = _generate(model, ids, 4, cache_implementation="static",
+                     compile_config=transformers.CompileConfig(backend="piecewise"))
+    assert graphs_since(start) == []
+    model.generation_config.disable_compile = True
+    assert torch.equal(mine, _generate(model, ids, 4, cache_implementation="static"))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_llama_generate_on_cuda_gives_eager_tokens(cache):

@@ -96,6 +96,36 @@ def test_depyf_dump_holds_the_split_graph_and_every_piece(tmp_path):
     assert any(f.startswith("__transformed_code") for f in files)  # Dynamo's bytecode
 
 
+def test_the_readmes_inspection_snippet_as_ordered_fills_the_dump(tmp_path):
+    """README: ``debug_dump`` around ``inspect_split`` (before, inspect_split came first and the dump
+    after it was empty); then the report prints, and its figure has a box per piece."""
+    pytest.importorskip("depyf")
+    torch._dynamo.reset()
+    model = init_weights_(ToyLlama(ToyConfig(layers=1))).eval()
+    with piecewise_backend.debug_dump(str(tmp_path)):
+        report = piecewise_backend.inspect_split(model, torch.randint(0, 128, (2, 4)), 0)[-1]
+    assert any("piecewise_split_graph" in f for f in os.listdir(tmp_path))
+    assert "submod_0" in str(report)
+
+
+def test_a_figure_without_matplotlib_says_how_to_get_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    torch._dynamo.reset()
+    report = piecewise_backend.inspect_split(init_weights_(ToyLlama(ToyConfig(layers=1))).eval(),
+                                             torch.randint(0, 128, (2, 4)), 0)[-1]
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(ImportError, match="need matplotlib: pip install matplotlib"):
+        report.save_png("x.png")
+
+
 def test_depyf_dump_after_inspect_split_says_it_wrote_nothing(tmp_path):
     """inspect_split compiled the model; the same call in a debug_dump block reuses that compile, so
     depyf gets none of our graphs: the block says so instead of leaving an empty folder unexplained."""

@@ -107,13 +107,22 @@ def _varlen():
 _VARLEN_ATTN = _varlen()
 
 
+def _capturing(q: torch.Tensor) -> bool:
+    """Inside a CUDA capture (or the backend's emulated one on CPU, so CPU tests see what a GPU does)."""
+    if q.is_cuda:
+        return torch.cuda.is_current_stream_capturing()
+    from piecewise_backend.runtime import emulation
+
+    return emulation.capturing()
+
+
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     """Write this step's keys and values into the pages, attend over each request's keys.
 
     Like any op that reads per-step state from outside its arguments, it is wrong inside a CUDA graph
     (a replay would read the capture step's metadata): it says so if it finds itself captured.
     """
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+    if _capturing(q):
         raise RuntimeError(f"{ATTENTION} reads per-step metadata from the engine's forward context and "
                            f"must not be captured in a CUDA graph")
     meta: StepMetadata = _CONTEXT.get()

@@ -70,10 +70,10 @@ def _kv_length(node: torch.fx.Node):
     return value.shape[-2] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
 
 
-def choose(option: Any, eager_sdpa: list[torch.fx.Node]) -> SdpaBackends | None:
+def choose(option: Any, eager_sdpa: list[torch.fx.Node], device_type: str = "cuda") -> SdpaBackends | None:
     """The backends a compiled graph's calls run with (None: torch's own choice, untouched), given the
-    SDPA calls of its eager pieces."""
-    if option == "torch":
+    SDPA calls of its eager pieces and the graph's device (``"auto"`` concerns cuDNN: CUDA only)."""
+    if option == "torch" or option == "auto" and device_type != "cuda":
         return None
     if option != "auto":
         return SdpaBackends({name: name in option for name in NAMES}, f"eager_sdpa_backends={list(option)}")
