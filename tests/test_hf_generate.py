@@ -308,6 +308,24 @@ def test_256_new_tokens_without_a_recompile_warning(cache, caplog):
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+def test_a_static_cache_sized_by_max_cache_len_serves_a_longer_generate_without_a_new_graph():
+    """README: ``max_cache_len`` sizes the static cache once, so a later ``generate()`` with more new
+    tokens reuses it: a capture at most, no compile (without it the cache grows and Dynamo recompiles)."""
+    torch._dynamo.reset()
+    model = _model("llama", "cpu", layers=1)
+    eager_forward = model.forward
+    compiled = torch.compile(eager_forward, backend="piecewise")
+    ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
+    for new_tokens in (4, 12):
+        start = last_serial()
+        model.forward = compiled
+        mine = _generate(model, ids, new_tokens, cache_implementation="static", max_cache_len=48)
+        model.forward = eager_forward
+        assert torch.equal(mine, _generate(model, ids, new_tokens, cache_implementation="static", max_cache_len=48))
+    assert graphs_since(start) == []  # the second generate() compiled nothing
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 def test_transformers_compile_config_route():
     """``CompileConfig(backend="piecewise")``: transformers compiles the decode steps itself (its default
     mode, "reduce-overhead", is what the backend does anyway) and runs the prefill eagerly."""
