@@ -158,3 +158,15 @@ def test_an_engine_whose_attention_op_is_neither_named_nor_tagged_warns_naming_i
     assert f"extra_splitting_ops=['{ATTENTION}']" in messages[0] and "torch.Tag.cudagraph_unsafe" in messages[0]
     graphs = graphs_since(start)
     assert sum(g.stats.replays for g in graphs) == 0 and sum(g.stats.failed_captures for g in graphs) > 0
+
+
+def test_in_full_mode_an_op_tagged_cudagraph_unsafe_is_still_split_and_never_captured():
+    torch._dynamo.reset()
+    start = last_serial()
+    model = EngineModel(dataclasses.replace(TINY, attention_op=TAGGED_ATTENTION)).init_weights_().eval()
+    expected, _ = _serve(model, None, requests=3)
+    got, _ = _serve(model, torch.compile(model, backend="piecewise", options={"mode": "full"}), requests=3)
+    assert got == expected
+    graph = max(graphs_since(start), key=lambda g: g.stats.calls)
+    assert graph.stats.num_split_pieces == TINY.layers and graph.stats.unsafe_ops == (TAGGED_ATTENTION,)
+    assert graph.stats.replays > 0 and graph.stats.failed_captures == 0, graph.stats.summary()

@@ -252,14 +252,16 @@ class EngineModel(nn.Module):
         return hidden @ self.embed.weight.t()  # tied embeddings, as Qwen2.5-1.5B
 
     def init_weights_(self, seed: int = 0) -> "EngineModel":
-        """Random weights scaled so that activations stay O(1) through every layer."""
-        g = torch.Generator().manual_seed(seed)
+        """Random weights scaled so that activations stay O(1) through every layer, drawn where the
+        model is (1.5B numbers drawn on the host took longer than compiling)."""
+        device = self.embed.weight.device
+        g = torch.Generator(device=device).manual_seed(seed)
         with torch.no_grad():
             for name, p in self.named_parameters():
                 if name.endswith("norm.weight"):
                     continue
                 fan_in = p.shape[-1] if p.dim() > 1 else p.shape[0]
-                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(fan_in))
+                p.copy_(torch.randn(p.shape, generator=g, device=device) / math.sqrt(fan_in))
         return self
 
 
@@ -275,10 +277,6 @@ class Request:
     computed: int = 0  # tokens whose keys are in the cache
     blocks: list = dataclasses.field(default_factory=list)
     token_times: list = dataclasses.field(default_factory=list)  # perf_counter of each output token
-
-    @property
-    def tokens(self) -> list:
-        return self.prompt + self.output
 
     @property
     def done(self) -> bool:
