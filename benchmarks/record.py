@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--kernel", help="attention_kernel.py's JSON")
     parser.add_argument("--threads", help="threads.py's JSON")
     parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
+    parser.add_argument("--entry", help="dynamo_entry.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -140,6 +141,8 @@ def main() -> None:
             result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
         if "graph_memory_estimate" in serving:
             result["graph_memory_estimate"] = {**serving["graph_memory_estimate"], "code_hash": digest}
+    if args.entry:
+        result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:
         result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
     if args.capture:

@@ -449,3 +449,12 @@ def test_serving_benchmark_times_an_engine_and_counts_its_captures_and_replaced_
     assert 0 < row["captures"] and row["failed_captures"] == 0 and row["replays"] > 0, row
     assert row["worst_capture_stall_ms"] is not None and row["steps"] > 0
     assert agreement == 1.0
+
+
+def test_dynamo_entry_benchmark_times_each_guard_filter():
+    pytest.importorskip("transformers")
+    import dynamo_entry
+
+    rows = dynamo_entry.entry_us(1, "cpu")
+    assert [r["variant"] for r in rows][0] == "guards" and len(rows) >= 2
+    assert all(r["entry_us"] > 0 for r in rows), rows

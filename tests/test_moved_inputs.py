@@ -16,7 +16,8 @@ import torch
 from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama
 
-from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
+from .helpers import (assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, graphs_since,
+                      last_serial)
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 SIZES = [2, 4, 8]
@@ -75,6 +76,21 @@ def test_load_state_dict_assign_recaptures_and_never_writes_the_old_parameters()
     assert graph.captured == {(4,)} and graph.stats.replays > 0
     moved = [w for w in caught if "new addresses" in str(w.message)]
     assert len(moved) == 1, [str(w.message) for w in caught]
+
+
+def test_with_dynamos_module_guards_skipped_moved_weights_still_get_graphs_of_their_own():
+    """``guard_filter_fn=torch.compiler.skip_guard_on_all_nn_modules_unsafe`` (fewer guards per call):
+    Dynamo no longer checks the module, and this backend's own address check still sees new weights."""
+    torch._dynamo.reset()
+    start = last_serial()
+    net = _mlp(0)
+    compiled = torch.compile(net, backend="piecewise", options={
+        "capture_sizes": SIZES, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    _calls(compiled, net)
+    net.load_state_dict({k: torch.randn_like(v) for k, v in net.state_dict().items()}, assign=True)
+    _calls(compiled, net)  # eager's outputs with the new weights
+    graph = busiest_graph(start)
+    assert len(graphs_since(start)) == 1 and graph.stats.weight_sets == 2 and graph.stats.replays > 0
 
 
 def test_one_compiled_function_alternating_two_models_weights():
