@@ -262,7 +262,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--agreement-requests", type=int, default=12)
     parser.add_argument("--rate", type=float, default=0.0)
-    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--child-timeout", type=int, default=300)
     parser.add_argument("--memory-estimate", action="store_true",
