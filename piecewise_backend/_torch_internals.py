@@ -72,26 +72,27 @@ class RandomOpsSeen:
 
 
 class OpsInFlight:
-    """A dispatch mode that keeps the ops running under it (``.running``, outermost first): after an
-    exception, the op it came from (a capture that fails names the op whose host code broke it).
+    """A dispatch mode that notes the op whose call raised (``.raised``; None once a later op
+    succeeds, so an error some caller caught and survived is not blamed): a capture that fails names
+    the op whose host code broke it.
 
-    The handler of an op runs with the mode off, so the ops a custom op calls inside are not seen:
-    the op named is the one the compiled code called. Same ``TorchDispatchMode`` as
-    :class:`RandomOpsSeen`.
+    An op's handler runs with the mode off, so the ops a custom op calls inside are not seen: the op
+    named is the one the compiled code called. Same ``TorchDispatchMode`` as :class:`RandomOpsSeen`.
     """
 
     def __new__(cls):
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _Mode(TorchDispatchMode):
-            def __init__(self):
-                super().__init__()
-                self.running: list = []
+            raised = None
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.running.append(func)
-                out = func(*args, **(kwargs or {}))
-                self.running.pop()  # left in place when func raises: the culprit
+                try:
+                    out = func(*args, **(kwargs or {}))
+                except BaseException:
+                    self.raised = func
+                    raise
+                self.raised = None
                 return out
 
         return _Mode()

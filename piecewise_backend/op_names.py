@@ -103,12 +103,12 @@ def validate_op_names(names: tuple[str, ...], option: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
-def while_running(running: list) -> str:
-    """What a capture that failed was running (the ops in flight, innermost last), and for a custom op
-    the two fixes; empty if it ran none (``_torch_internals.OpsInFlight`` watches)."""
-    if not running:
+def while_running(op) -> str:
+    """What a capture that failed was running (the op whose call raised, or None), and for a custom op
+    the two fixes; empty if no op raised (``_torch_internals.OpsInFlight`` watches)."""
+    if op is None:
         return ""
-    name = canonical_op_name(running[-1]) or str(running[-1])
+    name = canonical_op_name(op) or str(op)
     if name.split("::")[0] in ("aten", "prims"):
         return f" while running {name}"
     return (f" while running {name}, a custom op: if it must not be captured (host code, state outside its "

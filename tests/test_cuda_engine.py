@@ -52,6 +52,7 @@ def test_an_undeclared_untagged_attention_op_warns_naming_it_and_hands_the_pool_
     model = _model(toy.ATTENTION)
     expected = _serve(model, None)
     before = piecewise_backend.pool_bytes()
+    pools_before = _private_pools()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = _serve(model, torch.compile(model, backend="piecewise"))
@@ -61,8 +62,23 @@ def test_an_undeclared_untagged_attention_op_warns_naming_it_and_hands_the_pool_
     assert f"extra_splitting_ops=['{toy.ATTENTION}']" in messages[0] and "cudagraph_unsafe" in messages[0]
     graphs = graphs_since(start)
     assert sum(g.stats.replays for g in graphs) == 0 and sum(g.stats.failed_captures for g in graphs) > 0
-    # what the failed captures allocated went back: at most a fresh pool's keeper segment remains
+    # what the failed captures allocated went back: at most a fresh pool's keeper segment remains,
+    # and no segment of another private pool is left behind (the allocator's own account)
     assert piecewise_backend.pool_bytes() - before <= 8 * 2**20, piecewise_backend.pool_bytes() - before
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    left = {pool: size for pool, size in _private_pools().items() if pool not in pools_before}
+    assert len(left) <= 1 and sum(left.values()) <= 8 * 2**20, left  # the fresh pool's keeper only
+
+
+def _private_pools() -> dict:
+    """Private (graph) pool id -> bytes of its segments, as the CUDA allocator reports them."""
+    pools: dict = {}
+    for seg in torch.cuda.memory_snapshot():
+        pool = tuple(seg.get("segment_pool_id", ()))
+        if pool and pool != (0, 0):
+            pools[pool] = pools.get(pool, 0) + seg["total_size"]
+    return pools
 
 
 @pytest.mark.skipif(toy._VARLEN_ATTN is None, reason="this torch has no torch.nn.attention.varlen")

@@ -266,10 +266,9 @@ class PieceRunner:
             captured, outputs = self._record(capture_args, checks, watch)
         except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
             failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})" \
-                      f"{op_names.while_running(watch.running)}"
-            device = self._device(args)
-            if device.type == "cuda":
-                device_graphs(device).recover()
+                      f"{op_names.while_running(watch.raised)}"
+        if failure is not None and self._device(args).type == "cuda":
+            device_graphs(self._device(args)).recover()  # after the except: the failed graph is freed by now
         failure = agreed_refusal(self.agreement, failure,
                                  f"capture at shape key {key} failed on another rank of this graph's process "
                                  f"groups (all give it up, so their collectives keep pairing up)")
