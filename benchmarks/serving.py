@@ -196,8 +196,11 @@ def memory_estimate(args, device: str) -> dict:
     forward = compiled(model, "piecewise")
     engine = engine_for(model, forward, device, dtype, args)
     engine.warm_up()
-    graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front),
-                key=lambda g: g.stats.calls)
+    able = [g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front]
+    if not able:
+        raise RuntimeError("no compiled graph can capture up front: "
+                           + "; ".join(g.up_front.refusal() for g in piecewise_backend.compiled_graphs()))
+    graph = max(able, key=lambda g: g.stats.calls)
     sizes = graph.policy.sizes
     asked = sizes if args.estimate_from == "ends" else [int(v) for v in args.estimate_from.split(",")]
     start = time.perf_counter()
