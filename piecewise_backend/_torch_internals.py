@@ -270,6 +270,23 @@ def resolve_process_group(group_name: str):
 C_SDPA = torch._C._nn.scaled_dot_product_attention
 
 
+def bind_fresh_unbacked_symbols(fake_mode, outputs: Any) -> None:
+    """After a piece ran on fake values: bind the data-dependent symbols it made (a fresh ``u0``
+    from ``.item()``) to its outputs, or drop them when it returns none of them. Left pending, the
+    next op under the fake mode raises ``PendingUnbackedSymbolNotFound`` (Dynamo binds them per FX
+    node; a piece is run as one call). ``compute_unbacked_bindings`` and
+    ``ShapeEnv.pending_fresh_unbacked_symbols`` checked on 2.11 and 2.13."""
+    from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
+
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None or not shape_env.pending_fresh_unbacked_symbols:
+        return
+    try:
+        compute_unbacked_bindings(shape_env, outputs)
+    except Exception:  # made and used inside the piece only: nothing outside it needs them bound
+        shape_env.pending_fresh_unbacked_symbols.clear()
+
+
 def sym_expr(value: Any) -> Any:
     """The sympy expression behind a SymInt/SymFloat/SymBool (``s0``, ``s0 + 1``); anything else as is.
 

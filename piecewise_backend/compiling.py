@@ -117,10 +117,11 @@ class _FakeRun(torch.fx.Interpreter):
     up-front capture builds stand-ins for the eager pieces' outputs from them.
     """
 
-    def __init__(self, split_gm, compute_names: set[str], on_compute):
+    def __init__(self, split_gm, compute_names: set[str], on_compute, fake_mode=None):
         super().__init__(split_gm, garbage_collect_values=False)  # compile_pieces returns them all
         self.compute_names = compute_names
         self.on_compute = on_compute
+        self.fake_mode = fake_mode
         self.fake_outputs: dict[str, Any] = {}
 
     def call_module(self, target, args, kwargs):
@@ -129,6 +130,7 @@ class _FakeRun(torch.fx.Interpreter):
         watch = _torch_internals.RandomOpsSeen()
         with watch:
             out = submod(*args)  # before compiling: Inductor may rewrite the graph it is given
+        _torch_internals.bind_fresh_unbacked_symbols(self.fake_mode, out)  # an eager piece's .item()
         self.fake_outputs[target] = out
         if target in self.compute_names:
             self.on_compute(target, submod, list(args), watch.seen)
@@ -148,6 +150,6 @@ def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake
         compiled[name] = dataclasses.replace(compiler.compile(name, submod, fake_args), draws_random=draws_random)
 
     with _torch_internals.fake_propagation(compiler.fake_mode):
-        run = _FakeRun(split_gm, compute_names, on_compute)
+        run = _FakeRun(split_gm, compute_names, on_compute, compiler.fake_mode)
         run.run(*fake_inputs)
     return compiled, run.fake_outputs, dict(run.env)

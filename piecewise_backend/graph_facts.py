@@ -93,6 +93,19 @@ def step_symbols(graph: torch.fx.Graph) -> frozenset:
     return frozenset(scalar_syms - shape_syms)
 
 
+def data_dependent_symbols(graph: torch.fx.Graph) -> frozenset:
+    """Symbols the graph's data decide, not its inputs' shapes: ``k = n.item()`` (under
+    ``capture_scalar_outputs``), a ``nonzero`` count. A captured graph would replay the value of its
+    capture whatever the data says (an ``.item()`` of a CPU tensor does not even fail the capture),
+    and the shape key cannot hold them (they are known only once the graph runs), so nodes that make
+    or need them run eagerly, as nodes that need a step scalar do."""
+    given: set = set()
+    made: set = set()
+    for node in graph.nodes:
+        (given if node.op == "placeholder" else made).update(value_symbols(example_value(node)))
+    return frozenset(made - given)
+
+
 def is_per_step(node: torch.fx.Node, steps: frozenset) -> bool:
     """Does ``node``'s own value (a SymInt such as a KV length) change every decode step?"""
     return bool(value_symbols(example_value(node)) & steps)

@@ -5,8 +5,9 @@ Every node gets one of three kinds:
 * ``split``: a splitting op (attention), named in the options or tagged ``torch.Tag.cudagraph_unsafe``
   where it was defined. Each gets a piece of its own.
 * ``eager``: must not be inside a captured graph: it mutates a graph input (the KV-cache write),
-  or it needs a per-step scalar such as the KV position ``pos`` (cache slices, ``cos[pos:pos+S]``).
-  Graphing those would either write the wrong buffer or recapture at every decode step.
+  or it needs a per-step scalar such as the KV position ``pos`` (cache slices, ``cos[pos:pos+S]``),
+  or a size the data decides (``h[:, :n.item()]``). Graphing those would write the wrong buffer,
+  recapture at every decode step, or replay the size of the capture.
 * ``compute``: everything else.
 
 Then two reorderings keep compute pieces whole (one per layer, not two or three):
@@ -68,7 +69,8 @@ class SplitGraph:
 
 
 def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
-              forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict) -> tuple[dict, dict]:
+              forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict,
+              data_dependent: frozenset = frozenset()) -> tuple[dict, dict]:
     """Kind of every op node, and a reason string for each eager one (``attention_placement.py`` says
     which attention stays in a graph, ``fixed_attention``, and which nodes depend on a KV length and
     so run beside the eager attention, ``beside_attention``)."""
@@ -95,6 +97,9 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
         elif facts.uses_step_symbols(node, steps):
             syms = ", ".join(sorted(map(str, steps)))
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
+        elif facts.uses_step_symbols(node, data_dependent):
+            syms = ", ".join(sorted(map(str, data_dependent)))
+            reasons[node] = f"{display_name(node)}: a size the data decides ({syms}): a graph would replay its capture's"
         kinds[node] = EAGER if node in reasons else COMPUTE
     # fixed-shape attention counts too: its mask may be built from an input that grows every step
     # (transformers 5.17's sliding window gathers a full window from the [B, past + 1] attention_mask)
@@ -284,10 +289,12 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
     graph = gm.graph
     _drop_unused_scalars(graph)
     steps = facts.step_symbols(graph)
+    data_dependent = facts.data_dependent_symbols(graph)
     forced: dict = {}
     safe_writes = graph_safe_writes(graph, in_place, steps)
     for _ in range(8):  # cross-piece writes force nodes eager; a few rounds reach a fixed point
-        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs, fixed_attention, safe_writes)
+        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs, fixed_attention, safe_writes,
+                                   data_dependent)
         for n in forced:
             kinds[n] = EAGER
         _hoist(graph, kinds)

@@ -317,3 +317,34 @@ def test_a_failed_capture_warns_and_never_raises_where_eager_does_not(monkeypatc
     assert graph.stats.failed_captures == 1 + len(capture_retries.WAITS), graph.stats.summary()
     assert sum("capture at shape key" in str(w.message) for w in seen) == graph.stats.failed_captures
     assert graph.stats.replays == 0 and graph.stats.ungraphed_runs == sum(capture_retries.WAITS) + 4
+
+
+class ItemSlice(nn.Module):
+    """``k = n.item()`` under ``capture_scalar_outputs``, then ``h[:, :k]`` after attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = Attention(h=16, heads=2)
+
+    def forward(self, x, n):
+        k = n.item()
+        torch._check(k >= 1)
+        torch._check(k <= x.shape[1])
+        return self.a(x)[:, :k].sum(1)
+
+
+def test_a_value_read_with_item_is_never_replayed_with_its_captured_value():
+    # was: .item() ran inside a captured piece and its capture's value came back at every replay
+    # (silently wrong; on CUDA too for a CPU tensor, whose .item() does not fail a capture)
+    torch._dynamo.reset()
+    start = last_serial()
+    model = ItemSlice().eval()
+    compiled = torch.compile(model, backend="piecewise")
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):  # (a monkeypatch's undo deletes the key)
+        for k in (3, 5, 2, 5, 3):
+            x, n = torch.randn(2, 6, 16), torch.tensor(k)
+            torch.testing.assert_close(compiled(x, n), model(x, n), msg=lambda m: f"k={k}: {m}")
+    graph = graphs_since(start)[-1]
+    assert _replays(start) > 0, graph.stats.summary()
+    assert any("a size the data decides" in r for p in graph.pieces for r in p.eager_reasons), \
+        [p.eager_reasons for p in graph.pieces]
