@@ -66,15 +66,20 @@ def _newest() -> int:
     return max((g.serial for g in compiled_graphs()), default=0)
 
 
+def _label_new(labels: dict | None, since: int, label: str) -> int:
+    """Label the graphs compiled after serial ``since``; returns the newest serial now."""
+    if labels is not None:
+        labels.update({g.serial: label for g in compiled_graphs() if g.serial > since})
+    return _newest()
+
+
 def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: str, labels: dict | None = None) -> float:
     """Median wall time of a greedy decode step (second half of ``steps``), the batch marked dynamic.
     ``labels``: serial -> what it serves, for each graph this call compiled (prefill or decode, batch)."""
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
     before = _newest()
     logits, times = step(ids, 0), []
-    if labels is not None:
-        labels.update({g.serial: f"prefill, first at batch {batch}" for g in compiled_graphs() if g.serial > before})
-        before = _newest()
+    before = _label_new(labels, before, f"prefill, first at batch {batch}")
     for pos in range(prompt, prompt + steps):
         ids = logits[:, -1:].argmax(-1)
         if batch > 1:
@@ -86,10 +91,7 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-        if labels is not None:
-            labels.update({g.serial: f"decode, first at batch {batch}" for g in compiled_graphs()
-                           if g.serial > before})
-            before = _newest()
+        before = _label_new(labels, before, f"decode, first at batch {batch}")
     return statistics.median(times[steps // 2:]) * 1e3
 
 

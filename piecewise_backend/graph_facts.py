@@ -111,17 +111,18 @@ def is_per_step(node: torch.fx.Node, steps: frozenset) -> bool:
     return bool(value_symbols(example_value(node)) & steps)
 
 
-def uses_step_symbols(node: torch.fx.Node, steps: frozenset) -> bool:
-    """True if running ``node`` needs a step scalar: in its own value, or in the shapes it reads.
+def uses_symbols(node: torch.fx.Node, symbols: frozenset) -> bool:
+    """True if running ``node`` needs one of ``symbols`` (step scalars, data-dependent sizes): in its
+    own value, or in the shapes it reads.
 
     What it reads counts by shape and strides only: a tensor computed from ``pos`` by value (the
     attention output) or a view at a ``pos``-dependent offset (a RoPE row) can feed a compute piece.
     """
-    if not steps:
+    if not symbols:
         return False
-    if is_per_step(node, steps):
+    if is_per_step(node, symbols):
         return True
-    return any(value_symbols(example_value(i), with_offset=False) & steps for i in node.all_input_nodes)
+    return any(value_symbols(example_value(i), with_offset=False) & symbols for i in node.all_input_nodes)
 
 
 def is_barrier(node: torch.fx.Node) -> bool:

@@ -49,7 +49,7 @@ def is_graph_safe_write(node: torch.fx.Node, written: torch.fx.Node, root: torch
     would, padded, write rows the caller did not pass (it stays eager, or ``kv_writes`` masks it).
     A write of a whole input with batch rows forbids padding (``plan.py``); one without does not.
     """
-    if written is not root or facts.uses_step_symbols(node, steps):
+    if written is not root or facts.uses_symbols(node, steps):
         return False
     name = _name(node)
     if name in _INDEX_WRITES:

@@ -38,13 +38,19 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
     a dynamic batch size. Returns, per graph serial, the shape keys it captured. Warns, with each
     graph's reason, when no graph can (on CPU, before the first call, ...).
     """
-    graphs = compiled_graphs()
-    able = [g for g in graphs if g.can_capture_up_front]
+    able, reasons = _able_to_capture()
     if not able:
-        reasons = "; ".join(g.up_front.refusal() for g in graphs) or "nothing has been compiled yet"
         warnings.warn(f"piecewise: capture({sizes!r}) captured nothing: no compiled graph can capture up front "
                       f"({reasons})", stacklevel=2)
     return {g.serial: g.capture(sizes) for g in able}
+
+
+def _able_to_capture() -> tuple[list, str]:
+    """The live graphs that can capture up front, and each other graph's reason it cannot."""
+    graphs = compiled_graphs()
+    able = [g for g in graphs if g.can_capture_up_front]
+    reasons = "; ".join(g.up_front.refusal() for g in graphs if g not in able) or "nothing has been compiled yet"
+    return able, reasons
 
 
 def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
@@ -52,9 +58,8 @@ def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
     cache with what is left. ``graph``: a compiled graph (default: the one called most that can
     capture up front). Captures the smallest and the largest of ``sizes`` if they are not yet."""
     if graph is None:
-        able = [g for g in compiled_graphs() if g.can_capture_up_front]
+        able, reasons = _able_to_capture()
         if not able:
-            reasons = "; ".join(g.up_front.refusal() for g in compiled_graphs()) or "nothing has been compiled yet"
             raise RuntimeError(f"piecewise: estimate_graph_memory: no compiled graph can capture up front ({reasons})")
         graph = max(able, key=lambda g: g.stats.calls)
     return estimate(graph, sizes)

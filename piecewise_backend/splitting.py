@@ -94,10 +94,10 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
         written = [roots[m] for m in facts.mutated_inputs(node)]
         if node not in safe_writes and any(r in input_roots for r in written):
             reasons[node] = f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
-        elif facts.uses_step_symbols(node, steps):
+        elif facts.uses_symbols(node, steps):
             syms = ", ".join(sorted(map(str, steps)))
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
-        elif facts.uses_step_symbols(node, data_dependent):
+        elif facts.uses_symbols(node, data_dependent):
             syms = ", ".join(sorted(map(str, data_dependent)))
             reasons[node] = f"{display_name(node)}: a size the data decides ({syms}): a graph would replay its capture's"
         kinds[node] = EAGER if node in reasons else COMPUTE

@@ -147,7 +147,8 @@ def test_a_refused_size_that_keeps_coming_replaces_the_least_used_captured_one()
 def test_graph_memory_is_a_line_through_two_captures_and_answers_for_a_list_and_a_budget():
     fixed, per_row = fit([(8, 30 * 2**20), (64, 100 * 2**20)])
     assert per_row == 70 * 2**20 / 56 and fixed == pytest.approx(20 * 2**20)
-    guess = GraphMemoryEstimate((8, 64), 100 * 2**20, ((8, 30 * 2**20), (64, 100 * 2**20)), fixed, per_row)
+    guess = GraphMemoryEstimate((8, 64), ((8, 30 * 2**20), (64, 100 * 2**20)), fixed, per_row)
+    assert guess.predicted_bytes == 100 * 2**20
     assert guess.for_sizes([8, 16, 512]) == int(fixed + per_row * 512)  # the largest size decides
     assert guess.for_sizes([1, 2]) == int(fixed + per_row * 2)
     assert fit([(8, 40), (64, 30)]) == (40, 0.0)  # a pool that did not grow: no negative slope

@@ -29,16 +29,19 @@ class GraphMemoryEstimate:
 
     Attributes:
         sizes: the sizes it was asked about.
-        predicted_bytes: the pool once all of ``sizes`` are captured.
         measured: ((size, pool bytes after capturing it), ...), the points it rests on.
         fixed_bytes, bytes_per_row: the line through them.
     """
 
     sizes: tuple
-    predicted_bytes: int
     measured: tuple
     fixed_bytes: float
     bytes_per_row: float
+
+    @property
+    def predicted_bytes(self) -> int:
+        """The pool once all of ``sizes`` are captured."""
+        return self.for_sizes(self.sizes)
 
     def for_sizes(self, sizes: Iterable[int]) -> int:
         """The pool once ``sizes`` are captured: the line at the largest."""
@@ -71,7 +74,7 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
     if graph.device.type != "cuda":
         raise ValueError(f"piecewise: graph {graph.serial} runs on {graph.device}: graph memory is measured from "
                          f"the CUDA allocator's pool; estimate on the GPU the model will serve on.")
-    keys = graph.up_front._keys(sizes)  # checked, largest first
+    keys = graph.up_front.keys_of(sizes)  # checked, largest first
     if not keys:
         raise ValueError(f"piecewise: no capture size of graph {graph.serial} among {sizes!r}.")
     position = graph.pad_position
@@ -83,6 +86,4 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
         after = next((e.pool_bytes for e in graph.stats.events if e.key == key), None)
         measured.append((key[position], graph.pool_bytes() if after is None else after))
     fixed, per_row = fit(measured)
-    requested = tuple(sorted(k[position] for k in keys))
-    result = GraphMemoryEstimate(requested, 0, tuple(measured), fixed, per_row)
-    return dataclasses.replace(result, predicted_bytes=result.for_sizes(requested))
+    return GraphMemoryEstimate(tuple(sorted(k[position] for k in keys)), tuple(measured), fixed, per_row)

@@ -121,7 +121,7 @@ class UpFrontCapture:
         refusal = self.refusal()
         if refusal is not None:
             raise RuntimeError(f"piecewise: {refusal}")
-        todo = [k for k in self._keys(sizes) if k not in graph.captured]
+        todo = [k for k in self.keys_of(sizes) if k not in graph.captured]
         done = []
         for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
             plan = graph.policy.admit(key, graph.captured, graph.pool_bytes)
@@ -133,7 +133,7 @@ class UpFrontCapture:
             done.append(key)
         return done
 
-    def _keys(self, sizes) -> list[tuple]:
+    def keys_of(self, sizes) -> list[tuple]:
         """The shape keys of ``sizes`` (checked), largest first."""
         graph, policy = self.graph, self.graph.policy
         every = isinstance(sizes, str) and sizes == "all"
