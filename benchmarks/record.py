@@ -72,16 +72,20 @@ def drop_stale_notes(result: dict, digest: str, parts: set) -> None:
             result.pop(key, None)
 
 
-def pytest_summary(junit_path: str) -> dict:
-    suites = ET.parse(junit_path).getroot()
-    suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
-    tests, failures, errors, skipped = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+def pytest_summary(junit_paths: list[str]) -> dict:
+    """Passed, failed and skipped, summed over the JUnit files (one per shard of a parallel run)."""
+    tests = failures = errors = skipped = 0
+    for path in junit_paths:
+        suites = ET.parse(path).getroot()
+        suite = suites if suites.tag == "testsuite" else suites.find("testsuite")
+        counts = [int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")]
+        tests, failures, errors, skipped = (a + b for a, b in zip((tests, failures, errors, skipped), counts))
     return {"passed": tests - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--junit")
+    parser.add_argument("--junit", nargs="+", help="pytest JUnit XML files (summed)")
     parser.add_argument("--tests-selection", help="with --junit: which tests ran, when not all (pytest's -m/-k)")
     parser.add_argument("--capture")
     parser.add_argument("--suite")

@@ -4,6 +4,10 @@
 #   bash benchmarks/run_device.sh tests [ARGS...]   # every test, CUDA ones included (ARGS go to pytest:
 #                                                   #   -m cuda runs only the GPU tests, ~1.5 of ~4.5 min;
 #                                                   #   exits non-zero if a test failed)
+#   bash benchmarks/run_device.sh cuda-tests N [FUZZ ARGS...]  # the CUDA tests in N pytest processes at once
+#                                                   #   (test ids dealt round-robin, each shard under
+#                                                   #   SHARD_TIMEOUT), with the fuzz run (FUZZ ARGS) beside
+#                                                   #   them when given: correctness only, nothing timed
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
@@ -44,6 +48,27 @@ case "$part" in
     record --junit "$OUT/pytest.xml"
     # a failed test fails the part, so `run_device.sh tests -m cuda && run_device.sh suite ...` stops
     python -c "import json, sys; sys.exit(json.load(open('$OUT/h200.json'))['tests']['failed'] > 0)" ;;
+  cuda-tests)
+    # $OUT brings back at most 8 files: the shards' own files stay in $work, their logs come back as one
+    shards=${1:-4}; shift || true
+    work=$(mktemp -d)
+    python -m pytest -q --collect-only -m cuda tests/ -p no:cacheprovider 2>/dev/null | grep '::' >"$work/ids.txt"
+    echo "$(wc -l <"$work/ids.txt") CUDA tests in $shards shards"
+    for i in $(seq 0 $((shards - 1))); do
+      awk -v n="$shards" -v i="$i" 'NR % n == i' "$work/ids.txt" >"$work/ids_$i.txt"
+      (xargs -a "$work/ids_$i.txt" -d '\n' timeout -s INT "${SHARD_TIMEOUT:-420}" python -m pytest -q -rs \
+        -p no:cacheprovider --junitxml="$work/pytest_$i.xml" >"$work/pytest_$i.log" 2>&1; tail -3 "$work/pytest_$i.log") &
+    done
+    if [ $# -gt 0 ]; then
+      (timeout "${SHARD_TIMEOUT:-420}" python -m tests.fuzz --out "$OUT/fuzz.json" "$@" >"$OUT/fuzz.log" 2>&1;
+       grep -v Warning "$OUT/fuzz.log" | tail -8) &
+    fi
+    wait
+    for i in $(seq 0 $((shards - 1))); do echo "=== shard $i"; cat "$work/pytest_$i.log"; done >"$OUT/pytest.log"
+    grep -h -E "^(FAILED|ERROR)" "$OUT/pytest.log"
+    record --junit "$work"/pytest_*.xml --tests-selection "-m cuda, $shards shards at once"
+    [ -f "$OUT/fuzz.json" ] && record --fuzz "$OUT/fuzz.json"
+    python -c "import json, sys; sys.exit(json.load(open('$OUT/h200.json'))['tests']['failed'] > 0)" ;;
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
@@ -83,5 +108,5 @@ case "$part" in
     record --kernel "$OUT/kernel.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, capture, host, suite, fuzz, weights, hf, serving, entry, kernel, threads or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, kernel, threads or ab" >&2; exit 2 ;;
 esac
