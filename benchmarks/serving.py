@@ -27,8 +27,10 @@ fresh Inductor/Triton caches, ``warm``: the caches of the cold run), ``capture_s
 the backend's capture seconds), ``graph_pool_mib``, ``captures`` (sizes captured), ``tokens_per_s``
 (output tokens over the run), ``itl_p50_ms``/``itl_p99_ms`` (gaps between a request's tokens),
 ``itl_p99_first10s_ms`` (those in the run's first 10 s), ``worst_capture_stall_ms`` (the longest
-step that captured a size, less the median step), ``replaced`` (sizes replaced, capture following
-traffic) and ``token_agreement`` (the share of requests whose tokens equal eager's, in fp32 on a
+step that captured a size, less the median step), ``rides`` (calls that replayed a larger captured
+graph, padded, while their own size waited: ``defer_captures``), ``gc_pause_ms_max`` (the longest
+collector pause in the run; the engine freezes what start-up made), ``replaced`` (sizes replaced,
+capture following traffic) and ``token_agreement`` (the share of requests whose tokens equal eager's, in fp32 on a
 shorter trace, ``--agreement-requests``, checked by the cold run: bf16 rows are timed, fp32 tokens
 compared).
 
@@ -45,6 +47,7 @@ _STARTED = time.perf_counter()  # before torch is imported: start-up counts the 
 
 import argparse  # noqa: E402
 import dataclasses  # noqa: E402
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import pathlib  # noqa: E402
@@ -140,8 +143,31 @@ def backend_totals() -> dict:
     stats = piecewise_backend.process_stats()
     return {"capture_s": round(stats["capture_seconds"], 2), "graph_pool_mib": round(stats["pool_bytes"] / 2**20, 1),
             "captures": stats["captured_sizes"], "replays": stats["replays"], "ungraphed_runs": stats["ungraphed_runs"],
+            "rides": stats["rides"],
             "failed_captures": sum(g.stats.failed_captures for g in graphs),
             "replaced": sum(len(g.stats.replaced_keys) for g in graphs)}
+
+
+class GcPauses:
+    """The collector's pauses during the timed run (Python's ``gc.callbacks``): a pause of tens
+    of ms in a process full of compile-time objects would show as inter-token latency."""
+
+    def __init__(self):
+        self.pauses: list[float] = []
+        self._began = 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.pauses.append((time.perf_counter() - self._began) * 1e3)
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
 
 
 def serve(args, variant: str, device: str) -> dict:
@@ -150,9 +176,10 @@ def serve(args, variant: str, device: str) -> dict:
     model = build(args.config, variant, device, dtype)
     watch = CaptureWatch(compiled(model, variant))
     engine = engine_for(model, watch, device, dtype, args)
-    engine.warm_up()  # compiles (and, for piecewise-all, captures every size): start-up
+    engine.warm_up(freeze_gc=True)  # compiles (and, for piecewise-all, captures every size): start-up
     warm_up_steps = watch.step
-    done = engine.run(trace(args, args.requests), realtime=args.rate > 0)
+    with GcPauses() as gc_pauses:
+        done = engine.run(trace(args, args.requests), realtime=args.rate > 0)
     if device == "cuda":
         torch.cuda.synchronize()
     first_token = min(r.token_times[0] for r in done)
@@ -167,6 +194,7 @@ def serve(args, variant: str, device: str) -> dict:
             "itl_p99_ms": _ms(percentile([g for _, g in gaps], 0.99)),
             "itl_p99_first10s_ms": _ms(percentile([g for t, g in gaps if t <= 10.0], 0.99)),
             "worst_capture_stall_ms": _ms(max(stalls, default=0.0)), "steps": len(steps),
+            "gc_pause_ms_max": _ms(max(gc_pauses.pauses, default=0.0)), "gc_pauses": len(gc_pauses.pauses),
             "step_ms_median": _ms(median), "output_tokens": sum(len(r.output) for r in done),
             **backend_totals(), "itl_over_time": [(round(t, 3), round(g, 2)) for t, g in gaps[:: max(1, len(gaps) // 2000)]]}
 

@@ -61,10 +61,17 @@ class PiecewiseConfig:
             batch (a reduction over it) or write the caller's tensors are never padded.
         eager_capture_sizes: sizes captured up front, largest first, on the graph's first call
             (a list of capture sizes, or ``"all"``). ``capture()`` does the same on demand.
-        lazy_capture: capture other sizes the first time they are seen. Off, a batch pads to the
-            smallest size already captured, or runs un-graphed.
+        lazy_capture: capture other sizes as they come. Off, a batch pads to the smallest size
+            already captured, or runs un-graphed.
+        defer_captures: with lazy capture, a size that a larger captured graph can serve replays
+            that graph, padded, until it has come back often enough to earn its own capture (4
+            calls when that graph is more than twice its size, 64 within 2x;
+            ``runtime/capture_deferral.py``), and a size whose capture a budget refuses replays
+            it too instead of running un-graphed. False: every size is captured the first time
+            it is seen (each capture stalls its call: tens of ms on a deep model).
         max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
-            a capture that would exceed it does not happen; that size runs un-graphed.
+            a capture that would exceed it does not happen; that size replays a larger captured
+            graph (``defer_captures``) or runs un-graphed.
         max_captured_sizes: cap on the number of sizes captured per compiled graph.
         max_unreplayed_captures: stop capturing new shapes lazily while this many shapes captured
             lazily have never been replayed (None: no limit). A size that changes at every call
@@ -107,6 +114,7 @@ class PiecewiseConfig:
     padding: bool = True
     eager_capture_sizes: Any = ()
     lazy_capture: bool = True
+    defer_captures: bool = True
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
     max_unreplayed_captures: int | None = 8
@@ -151,7 +159,7 @@ class PiecewiseConfig:
                 f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "capture_kv_writes", "graph_attention"):
+        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "defer_captures", "capture_kv_writes", "graph_attention"):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:

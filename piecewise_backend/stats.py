@@ -61,6 +61,7 @@ class GraphStats:
     weight_sets: int = 0  # sets of parameter addresses seen with graphs (more than 1: weights moved)
     weight_sets_replaced: int = 0  # of those, dropped past max_weight_sets for a newer one
     replaced_keys: list = dataclasses.field(default_factory=list)  # captured keys released for busier ones
+    rides: int = 0  # calls that replayed a larger captured graph, their own size waiting or refused
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
     batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
@@ -124,6 +125,9 @@ class GraphStats:
         if self.replaced_keys:
             lines.append(f"captured sizes replaced by busier ones (max_captured_sizes): {len(self.replaced_keys)} "
                          f"({', '.join(map(str, self.replaced_keys[:6]))}{', ...' if len(self.replaced_keys) > 6 else ''})")
+        if self.rides:
+            lines.append(f"calls that replayed a larger captured graph, padded, while their own size waited "
+                         f"(defer_captures) or was refused: {self.rides}")
         if self.unsafe_ops:
             lines.append(f"split at ops tagged cudagraph_unsafe: {', '.join(self.unsafe_ops)}")
         if self.attention:
@@ -169,6 +173,7 @@ def process_stats() -> dict:
         "capture_seconds": sum(g.capture_seconds for g in graphs),
         "replays": sum(g.replays for g in graphs),
         "ungraphed_runs": sum(g.ungraphed_runs for g in graphs),
+        "rides": sum(g.rides for g in graphs),
         "misses": {str(reason): count for reason, count in misses.items()},
         "pool_bytes": pool_bytes(),
     }

@@ -5,7 +5,7 @@ import torch
 
 from piecewise_backend import PiecewiseConfig
 from piecewise_backend.kinds import Miss
-from piecewise_backend.runtime import capture_traffic, memory_estimate
+from piecewise_backend.runtime import capture_deferral, capture_traffic, memory_estimate
 from piecewise_backend.runtime.capture_policy import CapturePolicy, Plan
 from piecewise_backend.runtime.capture_traffic import CaptureTraffic
 from piecewise_backend.runtime.memory_estimate import GraphMemoryEstimate, fit
@@ -123,6 +123,35 @@ def test_new_shapes_stop_being_captured_while_earlier_ones_never_replayed():
     assert policy.admit((2, 9), captured, lambda: 0).capture  # up front (capture()): not limited
     unlimited = _policy(capture_sizes=[2, 4, 8], max_unreplayed_captures=None)
     assert unlimited.plan((2, 8), captured, lambda: 0, unreplayed=captured).capture
+
+
+def test_a_new_size_rides_a_larger_captured_graph_until_it_has_come_often_enough():
+    policy = _policy(capture_sizes=[2, 4, 8, 16, 32])
+    near = [policy.plan((12,), {(32,)}, lambda: 0) for _ in range(capture_deferral.NEAR_CALLS)]
+    # bucket 16 rides 32 (within 2x) and waits; its NEAR_CALLS-th call captures it
+    assert {(p.key, p.size, p.padded, p.waiting, p.capture) for p in near[:-1]} == {((32,), 12, True, (16,), False)}
+    assert (near[-1].key, near[-1].capture, near[-1].waiting) == ((16,), True, None)
+    far = [policy.plan((3,), {(16,), (32,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
+    # bucket 4 would ride 16, 4x its size: captured at its FAR_CALLS-th call
+    assert {(p.key, p.waiting) for p in far[:-1]} == {((16,), (4,))} and far[-1].capture and far[-1].key == (4,)
+    first = policy.plan((40,), {(16,)}, lambda: 0)
+    assert first.miss == Miss.ABOVE_MAX  # 40 > 32
+    first = policy.plan((7,), {(4,)}, lambda: 0)  # nothing larger captured: captured at once, as before
+    assert first.capture and first.key == (8,)
+
+
+def test_a_refused_capture_rides_a_larger_graph_instead_of_running_ungraphed():
+    policy = _policy(capture_sizes=[2, 4, 8, 16], max_captured_sizes=1)
+    plans = [policy.plan((3,), {(16,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
+    refused = plans[-1]
+    assert (refused.key, refused.padded, refused.capture, refused.miss) == ((16,), True, False, Miss.OVER_BUDGET)
+    assert refused.wanted == (4,) and "max_captured_sizes=1" in refused.detail
+
+
+def test_sizes_that_differ_only_in_the_padded_size_are_not_churn():
+    policy = _policy(capture_sizes=[2, 4, 8, 16], max_unreplayed_captures=2)
+    unreplayed = {(2,), (4,), (8,)}  # a serving engine's token counts: at most len(capture_sizes) of them
+    assert policy.plan((16,), unreplayed, lambda: 0, unreplayed=unreplayed).capture
 
 
 def test_a_refused_size_that_keeps_coming_replaces_the_least_used_captured_one():

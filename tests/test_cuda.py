@@ -8,7 +8,7 @@ import torch
 import piecewise_backend
 from toys.models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
 
-from .helpers import SPLIT_ATTENTION, assert_close_steps, llama_decode
+from .helpers import SPLIT_ATTENTION, assert_close_steps, graphs_since, last_serial, llama_decode
 
 pytestmark = pytest.mark.cuda
 CFG = ToyConfig(layers=3, max_batch=8)
@@ -18,15 +18,17 @@ BATCH_SEQUENCE = (2, 4, 2, 8, 4)  # revisits sizes: no new captures on the secon
 @pytest.fixture(scope="module")
 def cuda_run():
     torch._dynamo.reset()
+    start = last_serial()
     model = init_weights_(ToyLlama(CFG)).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise")
+    # each size captured on first sight: these tests count captures per batch size
+    compiled = torch.compile(model, backend="piecewise", options={"defer_captures": False})
     runs = []
     with torch.no_grad(), sdpa_backends("cuda"):
         for batch in BATCH_SEQUENCE:
             eager = llama_decode(model, model, batch, 5, 6, device="cuda")
             graphed = llama_decode(compiled, model, batch, 5, 6, device="cuda")
             runs.append((batch, eager, graphed))
-    return model, compiled, runs
+    return model, compiled, runs, start
 
 
 def test_graphed_decode_matches_eager_at_every_batch(cuda_run):
@@ -34,15 +36,16 @@ def test_graphed_decode_matches_eager_at_every_batch(cuda_run):
         assert_close_steps(graphed, eager, atol=2e-3, rtol=2e-3)
 
 
-def _decode_graphs():
-    """Graphs dynamic in the position (Dynamo makes one static-batch graph first, then a dynamic one)."""
-    graphs = [g for g in piecewise_backend.compiled_graphs() if g.split.step_symbols and g.stats.captures]
+def _decode_graphs(start: int = 0):
+    """Graphs dynamic in the position (Dynamo makes one static-batch graph first, then a dynamic one),
+    made after graph serial ``start`` (an earlier test's graphs may live until the collector runs)."""
+    graphs = [g for g in graphs_since(start) if g.split.step_symbols and g.stats.captures]
     assert graphs, [g.stats.summary() for g in piecewise_backend.compiled_graphs()]
     return graphs
 
 
 def test_captures_once_per_batch_size_not_per_step(cuda_run):
-    graphs = _decode_graphs()
+    graphs = _decode_graphs(cuda_run[3])
     for graph in graphs:
         keys = graph.stats.captured_keys
         # a key holds at most the batch size: the position never enters it
@@ -63,11 +66,11 @@ def test_captures_once_per_batch_size_not_per_step(cuda_run):
 
 def test_new_input_tensors_are_copied_in(cuda_run):
     # every step's token ids are a fresh tensor (argmax output): copied into the captured buffer
-    assert sum(p.input_copies for g in _decode_graphs() for p in g.stats.pieces.values()) > 0
+    assert sum(p.input_copies for g in _decode_graphs(cuda_run[3]) for p in g.stats.pieces.values()) > 0
 
 
 def test_returned_output_survives_next_call(cuda_run):
-    model, compiled, _ = cuda_run
+    model, compiled, _, _ = cuda_run
     ids = torch.randint(0, CFG.vocab, (2, 1), device="cuda")
     with torch.no_grad(), sdpa_backends("cuda"):
         first = compiled(ids, 10)
@@ -101,6 +104,7 @@ def test_cudagraphs_off_runs_ungraphed_with_same_results():
 
 def test_sixteen_layers_capture_per_batch_size():
     torch._dynamo.reset()
+    start = last_serial()
     cfg = ToyConfig(layers=16, hidden=64, max_batch=8)
     model = init_weights_(ToyLlama(cfg)).cuda().eval()
     compiled = torch.compile(model, backend="piecewise", options=SPLIT_ATTENTION)
@@ -108,7 +112,7 @@ def test_sixteen_layers_capture_per_batch_size():
         for batch in (2, 4, 8, 4):
             assert_close_steps(llama_decode(compiled, model, batch, 4, 5, device="cuda"),
                                llama_decode(model, model, batch, 4, 5, device="cuda"), atol=2e-3, rtol=2e-3)
-    graphs = _decode_graphs()
+    graphs = _decode_graphs(start)
     for graph in graphs:
         assert graph.stats.num_compute_pieces == 17
         assert graph.stats.inductor_compiles <= 3

@@ -31,7 +31,8 @@ def _buckets(sizes, capture_sizes):
 
 @pytest.fixture(scope="module")
 def every_size():
-    compiled, reference, start = _compile(ToyLlama, {"max_capture_size": MAX, "eager_capture_sizes": [MAX, 2]})
+    compiled, reference, start = _compile(ToyLlama, {"max_capture_size": MAX, "eager_capture_sizes": [MAX, 2],
+                                                      "defer_captures": False})  # every bucket on first sight
     logger = logging.getLogger("piecewise_backend")
     records = []
     handler = logging.Handler()

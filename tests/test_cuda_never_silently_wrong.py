@@ -24,7 +24,8 @@ def test_padding_stops_at_the_rows_of_a_kv_cache_on_cuda(options):
     torch.cuda.synchronize()
     assert_results_close(results, **TOL)
     graph = busiest_graph(start)
-    assert graph.captured == {(4,), (5,), (6,), (2,)} and graph.stats.replays > 0
+    # 3 -> 4; 5 and 6 exact (8 would pass the cache's 6 rows); 2 rides 4 (capture_deferral.py)
+    assert graph.captured == {(4,), (5,), (6,)} and graph.stats.replays > 0
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
         torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache, **TOL)
 

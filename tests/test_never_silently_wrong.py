@@ -153,7 +153,8 @@ def test_padding_stops_at_the_rows_of_a_kv_cache(options):
     assert_results_close(results)
     graph = busiest_graph(start)
     assert "fits in 6 rows" in graph.stats.padding, graph.stats.padding
-    assert graph.captured == {(4,), (5,), (6,), (2,)}  # 3 pads to 4; 5 and 6 run at their exact size
+    # 3 pads to 4; 5 and 6 run at their exact size (8 would pass the 6 rows); 2 rides 4 (within 2x)
+    assert graph.captured == {(4,), (5,), (6,)}
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
         torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache)
         torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache)

@@ -57,7 +57,8 @@ def test_padded_decode_matches_eager_and_leaves_the_cache_as_eager_does(padded_d
     assert_results_close(results)
     _assert_caches_equal(compiled._orig_mod, reference)  # padded rows 5..7 of a batch of 5: untouched
     graph = _decode_graph(start)
-    assert "padded" in graph.stats.padding and graph.captured == {(2,), (4,), (8,)}
+    # 3 -> 4, 5 -> 8; 2 rides 4 (within 2x: capture_deferral.py), so its rows are padded too
+    assert "padded" in graph.stats.padding and graph.captured == {(4,), (8,)}
 
 
 def test_capture_up_front_writes_nothing(padded_decode):

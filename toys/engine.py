@@ -25,6 +25,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import gc
 import math
 import time
 from typing import Callable
@@ -329,15 +330,20 @@ class Engine:
                              f"{len(self.free_blocks)} free: raise num_blocks")
         self.waiting.append(request)
 
-    def warm_up(self) -> None:
+    def warm_up(self, freeze_gc: bool = False) -> None:
         """What an engine does before it serves (vLLM's dummy runs): one step at the full token budget
         and one decode step of a single token, so that compiling (and any capture up front) happens
-        here, not at the first request. Leaves the engine as it was."""
+        here, not at the first request. Leaves the engine as it was. ``freeze_gc``: then move every
+        object alive into the collector's permanent generation (``gc.freeze``), as a long-running
+        server does after start-up: the compiled code and graphs are never scanned again."""
         dummy = [Request(-1, [0] * self.max_num_tokens, 1), Request(-2, [0], 2)]
         for request in dummy:
             self.run([request])
         self.finished.clear()
         self.steps.clear()
+        if freeze_gc:
+            gc.collect()
+            gc.freeze()
 
     def run(self, requests: list[Request], realtime: bool = False) -> list[Request]:
         """Serve ``requests`` to the end; ``realtime``: hold each back until its arrival time."""

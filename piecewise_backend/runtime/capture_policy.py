@@ -13,6 +13,7 @@ import dataclasses
 
 from ..config import PiecewiseConfig
 from ..kinds import Miss
+from .capture_deferral import CaptureDeferral
 from .distributed import RankAgreement, agreed_refusal
 
 
@@ -29,6 +30,11 @@ class Plan:
         miss: why the call runs un-graphed (stats count by it).
         detail: the reason with its numbers, for people.
         wanted: the key a refused capture would have captured (``capture_traffic.py`` counts it).
+        waiting: the bucket key this call's size waits to have captured while it rides ``key``, a
+            larger captured graph (``capture_deferral.py``); such a plan is made anew at each call.
+
+    A plan with a ``key`` and a ``miss`` replays ``key`` padded: the size's own capture was refused
+    (``miss`` says why) and a larger captured graph serves it rather than an un-graphed run.
     """
 
     key: tuple | None
@@ -38,6 +44,7 @@ class Plan:
     miss: Miss | None = None
     detail: str | None = None
     wanted: tuple | None = None
+    waiting: tuple | None = None
 
 
 def _mib(n: float) -> str:
@@ -110,6 +117,7 @@ class CapturePolicy:
         self.padding = config.padding and no_padding_reason is None
         self.exact_sizes = config.padding and no_padding_reason is not None
         self.lazy = config.lazy_capture
+        self.deferral = CaptureDeferral() if config.defer_captures else None
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
         self.agreement = agreement
         self.row_limit = row_limit
@@ -148,15 +156,31 @@ class CapturePolicy:
         bucket_key = self.with_size(key, bucket)
         if bucket_key in captured:
             return Plan(bucket_key, size, padded=bucket != size)
+        ride = self._ride(key, bucket, captured, rows)
         if not self.lazy:
-            for larger in self.sizes[bisect.bisect_left(self.sizes, bucket):] if self.padding else ():
-                if rows is not None and larger > rows:
-                    break
-                larger_key = self.with_size(key, larger)
-                if larger_key in captured:
-                    return Plan(larger_key, size, padded=larger != size)
+            if ride is not None:
+                return Plan(ride, size, padded=True)
             return Plan(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
-        return self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
+        if self.deferral is None or ride is None:
+            return self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
+        if not self.deferral.due(bucket_key, bucket, ride[self.pad_position]):
+            return Plan(ride, size, padded=True, waiting=bucket_key)
+        plan = self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
+        if plan.key is None:  # refused: the larger graph serves it, not an un-graphed run
+            return dataclasses.replace(plan, key=ride, padded=True)
+        return plan
+
+    def _ride(self, key: tuple, bucket: int, captured: set, rows: int | None) -> tuple | None:
+        """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""
+        if not self.padding:
+            return None
+        for larger in self.sizes[bisect.bisect_right(self.sizes, bucket):]:
+            if rows is not None and larger > rows:
+                return None
+            larger_key = self.with_size(key, larger)
+            if larger_key in captured:
+                return larger_key
+        return None
 
     def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None,
               unreplayed: set = frozenset()) -> Plan:
@@ -179,10 +203,19 @@ class CapturePolicy:
         """Why ``key`` is not captured when ``max_unreplayed_captures`` shapes captured lazily were
         never replayed: a size that changes at every call would capture a graph per call (each
         capture costs more than the eager run it replaces, and the pool grows). None otherwise."""
-        if self.max_unreplayed is None or len(unreplayed) < self.max_unreplayed:
+        if self.max_unreplayed is None or len(self._unbounded(unreplayed)) < self.max_unreplayed:
             return None
         keys = sorted(unreplayed | {key})
         varying = [f"{name} ({', '.join(str(k[i]) for k in keys[:4])}{', ...' if len(keys) > 4 else ''})"
                    for i, name in enumerate(self.symbols) if len({k[i] for k in keys}) > 1]
         return (f"{len(unreplayed)} shapes captured were never replayed, max_unreplayed_captures="
                 f"{self.max_unreplayed}; the sizes that keep changing: {'; '.join(varying) or 'none named'}")
+
+    def _unbounded(self, unreplayed: set) -> set:
+        """The keys that count towards :meth:`churn`: with padding, keys that differ only in the
+        padded size count once (there are at most ``len(capture_sizes)`` of them: a serving
+        engine's token counts, not a size that changes at every call)."""
+        p = self.pad_position
+        if not self.padding or p is None:
+            return unreplayed
+        return {k[:p] + k[p + 1:] for k in unreplayed}

@@ -66,7 +66,8 @@ class CaptureTraffic:
         key that the refused key replaces, or None. Only a refusal by the count cap is served: if the
         memory cap would refuse the key anyway, nothing is replaced (a released graph does not shrink
         the shared pool)."""
-        wanted = plan.key if plan.key is not None else plan.wanted
+        # the size's own key: the one refused, or waiting while a larger graph serves it, or the one replayed
+        wanted = next((k for k in (plan.wanted, plan.waiting, plan.key) if k is not None), None)
         if wanted is None:
             return False, None
         self.saw(wanted)

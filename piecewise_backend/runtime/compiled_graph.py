@@ -166,6 +166,8 @@ class CompiledGraph:
             step.ungraphed()
             self.stats.misses[plan.miss] += 1
             return self._forward(*args)
+        if plan.waiting is not None or plan.miss is not None:  # its own size waits or was refused
+            self.stats.rides += 1
         if self._retries.pending and not plan.capture and self._retries.due(plan.key):
             plan = self._forget(plan.key, key, args)  # a failed capture's turn to be tried again
             if plan.key is None:
@@ -264,25 +266,30 @@ class CompiledGraph:
             self.up_front.capture_eager_sizes()  # before the first output
         plan = self.policy.plan(key, self.captured, self.pool_bytes, self._unreplayed)
         if plan.miss is not None:
-            self.stats.miss_details[plan.miss] = plan.detail
-            if plan.miss == Miss.OVER_BUDGET:
-                self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
-                                          f"{plan.detail}. Those calls run un-graphed (see stats.summary()).")
-            elif plan.miss == Miss.NEVER_REPLAYED:
-                self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
-                                          f"{plan.detail}. Each would be a graph captured for one call. New "
-                                          f"shapes run compiled, un-graphed; shapes captured still replay. "
-                                          f"In a decode step, usually a KV length inside a compute piece: "
-                                          f"attention that is not scaled_dot_product_attention (transformers: "
-                                          f"attn_implementation=\"sdpa\" where the model supports it, or the "
-                                          f"static cache, whose shapes are fixed), or your own attention op "
-                                          f"not in extra_splitting_ops; in a prefill, prompts of many lengths "
-                                          f"(pad them to a few lengths to get graphs).")
-        elif not plan.capture:
+            self._warn_refused(key, plan)
+        if plan.key is not None and not plan.capture:
             self._unreplayed.discard(plan.key)  # a captured key's first replay plans here (plans were cleared)
-        if not plan.capture:
+        if not plan.capture and plan.waiting is None:  # a size waiting for its own graph counts its calls
             self._plans[key] = plan
         return plan
+
+    def _warn_refused(self, key: tuple, plan: Plan) -> None:
+        self.stats.miss_details[plan.miss] = plan.detail
+        instead = (f"Those calls replay the graph of {plan.key}, padded" if plan.key is not None
+                   else "Those calls run un-graphed")
+        if plan.miss == Miss.OVER_BUDGET:
+            self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
+                                      f"{plan.detail}. {instead} (see stats.summary()).")
+        elif plan.miss == Miss.NEVER_REPLAYED:
+            self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
+                                      f"{plan.detail}. Each would be a graph captured for one call. {instead}; "
+                                      f"shapes captured still replay. "
+                                      f"In a decode step, usually a KV length inside a compute piece: "
+                                      f"attention that is not scaled_dot_product_attention (transformers: "
+                                      f"attn_implementation=\"sdpa\" where the model supports it, or the "
+                                      f"static cache, whose shapes are fixed), or your own attention op "
+                                      f"not in extra_splitting_ops; in a prefill, prompts of many lengths "
+                                      f"(pad them to a few lengths to get graphs).")
 
     def capturing_step(self, key: tuple, how: CaptureHow, sym_values: dict, run):
         """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""
