@@ -155,13 +155,22 @@ def concurrent(seeds, calls: int, max_batch: int, device: str = "cpu", threads: 
         model = FuzzModel(spec).to(device).eval()
         compiled = torch.compile(model, backend="piecewise", dynamic=True if compiles_dynamic(seed) else None)
         largest = min(max_batch, spec.cache_rows)
+        with torch.no_grad():  # compiled before the threads start, as the README says: torch's FX
+            for n in (1, 2):   # tracing flag is process-wide, so a call made while another thread
+                x = torch.randn(n, T, WIDTH, device=device)  # compiles may raise (any backend)
+                if n > 1:
+                    torch._dynamo.mark_dynamic(x, 0)
+                compiled(x, 0)
 
         def caller(worker: int) -> None:
             rng = random.Random(seed * 31 + worker)
             stream = torch.cuda.Stream() if device == "cuda" else None
+            # a generator of its own: on torch 2.11 the default one raises in a thread drawing from
+            # it while another thread begins a capture (README, Troubleshooting: threads)
+            inputs = torch.Generator(device=device).manual_seed(seed * 31 + worker)
             with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _Nothing()):
                 for _ in range(calls // threads):
-                    x = torch.randn(rng.randint(1, largest), T, WIDTH, device=device)
+                    x = torch.randn(rng.randint(1, largest), T, WIDTH, device=device, generator=inputs)
                     if x.shape[0] > 1:
                         torch._dynamo.mark_dynamic(x, 0)
                     try:
