@@ -2,6 +2,10 @@
 
     python benchmarks/hf_generate.py --out hf.json [--models 8L-512 1B] [--batches 1 4 16] [--tokens 64] [--rounds 3]
     python benchmarks/hf_generate.py --out /tmp/hf.json --device cpu --models tiny --batches 2 --tokens 8
+    python benchmarks/hf_generate.py --out hf.json --dtype bfloat16 --models qwen3-4L-512 phi3-28L-1.5b gemma3-4L-512
+
+Models: Llama shapes by name (``8L-512``, ``1B``, ``tiny``), or ``ARCH-NL-DIMS``: Llama, Qwen2, Qwen3,
+Phi-3 or Gemma 3 at N layers with the widths of ``512`` (hidden 512) or ``1.5b`` (Qwen2.5-1.5B's).
 
 What a user would run, with torch's and transformers' defaults (fp32, torch's SDPA selection,
 random weights from the config): per model and batch, each variant generates ``--tokens`` greedy
@@ -58,6 +62,42 @@ MODELS = {
     "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                num_key_value_heads=4, vocab_size=32000),
 }
+# ``ARCH-NL-DIMS`` model keys (``qwen3-4L-512``, ``gemma3-28L-1.5b``): an architecture, a depth, and
+# the widths of one of these (``1.5b``: Qwen2.5-1.5B's)
+DIMS = {
+    "512": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                vocab_size=32000),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
+                 head_dim=128, vocab_size=32000),
+}
+ARCHS = {  # config class, model class, what the architecture adds
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused QKV and gate/up projections
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 512}),  # 5 sliding layers : 1 full
+}
+
+
+def model_config(key: str):
+    """(config, model class, row name, layers) of a model key: one of ``MODELS`` (Llama) or ``ARCH-NL-DIMS``."""
+    if key in MODELS:
+        cfg = transformers.LlamaConfig(max_position_embeddings=4096, **MODELS[key])
+        return cfg, transformers.LlamaForCausalLM, f"hf-llama-{key}", cfg.num_hidden_layers
+    arch, _, rest = key.partition("-")
+    layers, _, dims = rest.partition("L-")
+    if arch not in ARCHS or dims not in DIMS or not layers.isdigit():
+        raise ValueError(f"unknown model {key!r}: one of {', '.join(MODELS)}, or ARCH-NL-DIMS with ARCH in "
+                         f"{', '.join(ARCHS)} and DIMS in {', '.join(DIMS)} (e.g. qwen3-4L-512)")
+    config_name, model_name, extra = ARCHS[arch]
+    widths = dict(DIMS[dims])
+    if arch == "phi3":
+        widths.pop("head_dim")  # Phi-3 derives it
+    cfg = getattr(transformers, config_name)(num_hidden_layers=int(layers), max_position_embeddings=4096,
+                                             pad_token_id=0, bos_token_id=1, eos_token_id=2, **widths, **extra)
+    return cfg, getattr(transformers, model_name), arch, int(layers)
+
+
 VARIANTS = ("eager", "eager-static", "compile-default", "hf-static-reduce-overhead", "piecewise-dynamic",
             "piecewise-static", "piecewise-compile-config")
 PROMPT = 16
@@ -74,10 +114,10 @@ class StepStamps(transformers.LogitsProcessor):
         return scores
 
 
-def build_model(key: str, device: str):
-    cfg = transformers.LlamaConfig(max_position_embeddings=4096, **MODELS[key])
+def build_model(key: str, device: str, dtype: torch.dtype = torch.float32):
+    cfg, cls, _, _ = model_config(key)
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(device).eval()
+    model = cls(cfg).to(device, dtype).eval()
     model.generation_config.eos_token_id = None  # every run generates exactly --tokens tokens
     model.generation_config.pad_token_id = 0
     return model
@@ -134,8 +174,9 @@ def piecewise_facts() -> dict:
             "attention": [how for _, how in busiest.plan.attention][:1]}
 
 
-def bench_model(key: str, batches, tokens: int, variants, rows: list, save, device: str, rounds: int = 1) -> None:
-    model = build_model(key, device)
+def bench_model(key: str, batches, tokens: int, variants, rows: list, save, device: str, rounds: int = 1,
+                dtype: torch.dtype = torch.float32) -> None:
+    model = build_model(key, device, dtype)
     eager_forward = model.forward
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in batches}
@@ -161,9 +202,10 @@ def bench_model(key: str, batches, tokens: int, variants, rows: list, save, devi
 
 
 def _new_row(key: str, model, kwargs: dict, batch: int, variant: str, tokens: int, rounds: int) -> dict:
-    row = {"model": f"hf-llama-{key}", "params": sum(p.numel() for p in model.parameters()),
+    _, _, name, layers = model_config(key)
+    row = {"model": name, "layers": layers, "params": sum(p.numel() for p in model.parameters()),
            "cache": "static" if "static" in kwargs.get("cache_implementation", "") else "dynamic",
-           "batch": batch, "variant": variant, "tokens": tokens, "dtype": "float32"}
+           "batch": batch, "variant": variant, "tokens": tokens, "dtype": str(model.dtype).removeprefix("torch.")}
     if rounds > 1:
         row["rounds"] = "interleaved"
     return row
@@ -200,6 +242,7 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rounds", type=int, default=1, help="interleave the variants, N rounds (see above)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     if "eager" not in args.variants:
         args.variants = ["eager", *args.variants]
@@ -211,7 +254,8 @@ def main() -> None:
         pathlib.Path(args.out).write_text(json.dumps({**meta, "hf": rows}, indent=1) + "\n")
 
     for key in args.models:
-        bench_model(key, args.batches, args.tokens, args.variants, rows, save, args.device, args.rounds)
+        bench_model(key, args.batches, args.tokens, args.variants, rows, save, args.device, args.rounds,
+                    getattr(torch, args.dtype))
 
 
 if __name__ == "__main__":

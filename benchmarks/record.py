@@ -98,6 +98,7 @@ def main() -> None:
     parser.add_argument("--threads", help="threads.py's JSON")
     parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
     parser.add_argument("--entry", help="dynamo_entry.py's JSON")
+    parser.add_argument("--hf-startup", help="hf_startup.py's JSON")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -145,6 +146,9 @@ def main() -> None:
             result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
         if "graph_memory_estimate" in serving:
             result["graph_memory_estimate"] = {**serving["graph_memory_estimate"], "code_hash": digest}
+    if args.hf_startup:
+        rows = json.loads(pathlib.Path(args.hf_startup).read_text())["hf_startup"]
+        result["hf_startup"] = merge_rows(result.get("hf_startup", []), rows, ("model", "layers", "cache"), digest)
     if args.entry:
         result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:

@@ -18,6 +18,7 @@
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh serving [ARGS...] # serving.py ARGS: the serving engine, per variant and start
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
+#   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
 #                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
 #
@@ -100,6 +101,10 @@ case "$part" in
       | tee "$OUT/serving.log" | grep '^{'
     record --serving "$OUT/serving.json"
     python benchmarks/serving.py --out "$OUT/serving.json" --figure "$OUT/serving_itl.png" ;;
+  hf-startup)
+    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/hf_startup.py --out "$OUT/hf_startup.json" "$@" 2>&1 \
+      | tee "$OUT/hf_startup.log" | grep '^{'
+    record --hf-startup "$OUT/hf_startup.json" ;;
   entry)
     python benchmarks/dynamo_entry.py --out "$OUT/entry.json" "$@" 2>&1 | grep '^{'
     record --entry "$OUT/entry.json" ;;
@@ -108,5 +113,5 @@ case "$part" in
     record --kernel "$OUT/kernel.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, kernel, threads or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, hf-startup, kernel, threads or ab" >&2; exit 2 ;;
 esac

@@ -309,6 +309,26 @@ def test_a_tests_run_of_a_selection_says_which(tmp_path):
         assert tests.get("selection") == (selection[1] if selection else None), tests
 
 
+def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
+    """``record.py --junit`` over the shards of ``run_device.sh cuda-tests`` and ``--hf-startup``."""
+    import json
+
+    shards = []
+    for i, (tests, failures) in enumerate(((5, 1), (4, 0))):
+        shards.append(tmp_path / f"pytest_{i}.xml")
+        shards[-1].write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" '
+                              f'skipped="1"/></testsuites>')
+    startup = tmp_path / "startup.json"
+    startup.write_text(json.dumps({"hf_startup": [{"model": "qwen3", "layers": 4, "cache": "dynamic", "cold_s": 9.0}]}))
+    out = tmp_path / "h200.json"
+    _run_script(["record.py", "--junit", *map(str, shards), "--hf-startup", str(startup), "--previous",
+                 str(tmp_path / "none.json"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert (result["tests"]["passed"], result["tests"]["failed"], result["tests"]["skipped"]) == (6, 1, 2)
+    (row,) = result["hf_startup"]
+    assert row["cold_s"] == 9.0 and row["code_hash"] == result["tests"]["code_hash"]
+
+
 def test_rows_say_what_shared_their_process_and_its_limit():
     args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
     rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
@@ -410,6 +430,36 @@ def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
     assert static["speedup_vs_eager"] == round(eager["ms_per_token"] / static["ms_per_token"], 2)
     assert static["cache"] == "static" and static["token_agreement"] == 1.0 and static["decode_pieces"] == 1, static
     assert "error" in by_variant["no-such-variant"] and "ms_rounds" not in by_variant["no-such-variant"]
+
+
+def test_hf_generate_builds_each_architecture_at_a_depth_and_refuses_an_unknown_key():
+    """``ARCH-NL-DIMS`` keys (the issue's Qwen3, Phi-3, Gemma 3 rows), built on the meta device."""
+    pytest.importorskip("transformers")
+    import hf_generate
+
+    for key, cls, layers in (("qwen3-4L-512", "Qwen3ForCausalLM", 4), ("phi3-28L-1.5b", "Phi3ForCausalLM", 28),
+                             ("gemma3-4L-512", "Gemma3ForCausalLM", 4), ("8L-512", "LlamaForCausalLM", 8)):
+        model = hf_generate.build_model(key, "meta", torch.bfloat16)
+        assert type(model).__name__ == cls and model.config.num_hidden_layers == layers and model.dtype == torch.bfloat16
+        assert hf_generate.model_config(key)[3] == layers
+    with pytest.raises(ValueError, match="unknown model 'mamba-4L-512'.*ARCH-NL-DIMS"):
+        hf_generate.model_config("mamba-4L-512")
+
+
+def test_hf_startup_times_the_recipes_start_and_the_first_calls_at_a_new_batch_and_length():
+    """``hf_startup.py``'s child on CPU (graphs emulated): the README's start-up (batch 1, then 2),
+    after which a new batch size and a longer ``max_new_tokens`` compile nothing."""
+    pytest.importorskip("transformers")
+    import hf_startup
+
+    import piecewise_backend
+
+    torch._dynamo.reset()
+    with piecewise_backend.emulated_graphs():
+        row = hf_startup.first_calls("tiny", "dynamic", "piecewise", "cpu", torch.float32, after_start=True)
+    assert row["compiles_after_start"] == 0, row
+    assert row["start_s"] > 0 and row["new_batch_s"] >= 0 and row["new_length_s"] >= 0
+    assert row["backend_build_s"] > 0 and "capture_s" in row
 
 
 def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_outputs():

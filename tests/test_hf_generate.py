@@ -171,6 +171,34 @@ def test_compiled_with_dynamic_true_gives_eager_tokens(arch):
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+def test_dynamic_true_warmed_at_batches_1_and_2_compiles_nothing_for_other_batches_or_lengths():
+    """README's recipe for one compile for all sizes (the dynamic cache): Dynamo keeps size 1 apart
+    from the others (its 0/1 specialisation, ``dynamic=True`` or not), so batch 1 and the first
+    batch above it compile each (prefill, the first decode step, the later ones: 3 new tokens or
+    more); after both, no batch size or ``max_new_tokens`` compiles again."""
+    torch._dynamo.reset()
+    model = _model("qwen2", "cpu")
+    eager_forward = model.forward
+    compiled = torch.compile(eager_forward, backend="piecewise", dynamic=True)
+    g = torch.Generator().manual_seed(0)
+
+    def both(batch, new_tokens):
+        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g)
+        model.forward = compiled
+        mine = _generate(model, ids, new_tokens)
+        model.forward = eager_forward
+        return batch, mine, _generate(model, ids, new_tokens)
+
+    warm = [both(1, 4), both(2, 4)]  # start-up: prefill, first and later decode steps, at 1 and at 2
+    start = last_serial()
+    later = [both(batch, tokens) for batch, tokens in ((5, 6), (3, 12), (1, 9), (8, 4))]
+    _assert_same_tokens(warm + later)
+    assert graphs_since(start) == [], [g.stats.summary() for g in graphs_since(start)]
+    decode = max((g for g in graphs_since(0) if g.pad_position is not None), key=lambda g: g.stats.calls)
+    assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_beam_search_gives_eager_tokens(cache):
     """Beam search reorders the cache between steps (``index_select`` on the batch dim, outside the

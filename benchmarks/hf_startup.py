@@ -1,0 +1,137 @@
+"""A Hugging Face model's first ``generate()`` calls through the backend: cold, warm, at a new batch
+size and at a new length.
+
+    python benchmarks/hf_startup.py --out startup.json [--models qwen3-28L-1.5b] [--caches dynamic static]
+    python benchmarks/hf_startup.py --out /tmp/s.json --device cpu --models tiny --dtype float32   # smoke test
+
+What a server feels: how long before the first tokens, and whether a request of a new shape stalls.
+Per model (``hf_generate.py``'s keys) and cache, one child process each (own timeout), after the
+model is built (its weights' time left out):
+
+* ``cold_s``: fresh Inductor/Triton caches; start-up as the README's recipe has it:
+  ``torch.compile(model.forward, backend="piecewise", dynamic=True)`` (the dynamic cache; the static
+  cache without ``dynamic``, ``max_cache_len`` 256), then ``generate()`` at batch 1 and at batch 2
+  (4 new tokens each: Dynamo keeps size 1 apart);
+* ``warm_s``: the same in a new process with the cold run's caches; then, in that process,
+  ``new_batch_s``: the first ``generate()`` at batch 4 (16 tokens), and ``new_length_s``: then at
+  batch 4 with 48 tokens (``compiles_after_start``: Dynamo graphs compiled by those two);
+* ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up.
+
+Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``;
+``record.py --hf-startup`` stamps them with the code hash.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import hf_generate  # noqa: E402  (its model keys and builder)
+
+MAX_CACHE = 256  # the static cache's length: no generate() below outgrows it
+START = ((1, 4), (2, 4))  # (batch, new tokens) of the start-up generate() calls
+NEW_BATCH, NEW_LENGTH = (4, 16), (4, 48)
+
+
+def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dtype, after_start: bool) -> dict:
+    """Build ``key``, compile its forward with ``backend`` ("piecewise" or "inductor"), time the
+    start-up calls and, ``after_start``, the first call at a new batch size and at a new length."""
+    import piecewise_backend
+    from torch._dynamo.utils import counters
+
+    model = hf_generate.build_model(key, device, dtype)
+    model.generation_config.disable_compile = True  # transformers' own compile of the static cache: not this
+    dynamic = True if cache == "dynamic" else None
+    options = {"backend": "piecewise"} if backend == "piecewise" else {}
+    model.forward = torch.compile(model.forward, dynamic=dynamic, **options)
+    kwargs = {"cache_implementation": "static", "max_cache_len": MAX_CACHE} if cache == "static" else {}
+    g = torch.Generator().manual_seed(0)
+
+    def generate(batch: int, tokens: int) -> float:
+        ids = torch.randint(3, model.config.vocab_size, (batch, hf_generate.PROMPT), generator=g).to(device)
+        start = time.perf_counter()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, **kwargs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    row = {"start_s": round(sum(generate(*call) for call in START), 2)}
+    if after_start:
+        before = counters["stats"]["unique_graphs"]
+        row["new_batch_s"] = round(generate(*NEW_BATCH), 2)
+        row["new_length_s"] = round(generate(*NEW_LENGTH), 2)
+        row["compiles_after_start"] = counters["stats"]["unique_graphs"] - before
+    if backend == "piecewise":
+        stats = piecewise_backend.process_stats()
+        row.update(capture_s=round(stats["capture_seconds"], 2), backend_build_s=round(
+            sum(g.stats.build_seconds for g in piecewise_backend.compiled_graphs()), 2))
+    return row
+
+
+def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
+    cmd = [sys.executable, __file__, "--out", "-", "--device", args.device, "--dtype", args.dtype,
+           "--child", json.dumps([key, cache, backend, after_start])]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.child_timeout} s"}
+    lines = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]
+    return json.loads(lines[-1]) if lines else {"error": done.stderr[-600:]}
+
+
+def startup_row(args, key: str, cache: str) -> dict:
+    _, _, name, layers = hf_generate.model_config(key)
+    row: dict = {"model": name, "layers": layers, "cache": cache, "dtype": args.dtype}
+    with tempfile.TemporaryDirectory() as caches:
+        cold = _child(args, key, cache, "piecewise", False, caches)
+        warm = _child(args, key, cache, "piecewise", True, caches)
+    with tempfile.TemporaryDirectory() as caches:
+        inductor = _child(args, key, cache, "inductor", False, caches)
+    errors = {part: r["error"] for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)) if "error" in r}
+    row.update(cold_s=cold.get("start_s"), warm_s=warm.get("start_s"), new_batch_s=warm.get("new_batch_s"),
+               new_length_s=warm.get("new_length_s"), inductor_cold_s=inductor.get("start_s"),
+               compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
+               backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"))
+    if errors:
+        row["errors"] = errors
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--models", nargs="+", default=["qwen3-28L-1.5b"])
+    parser.add_argument("--caches", nargs="+", default=["dynamic", "static"], choices=["dynamic", "static"])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--child-timeout", type=int, default=240)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # [key, cache, backend, after_start], in a child
+    args = parser.parse_args()
+    if args.child:
+        key, cache, backend, after_start = json.loads(args.child)
+        row = first_calls(key, cache, backend, args.device, getattr(torch, args.dtype), after_start)
+        print("ROW " + json.dumps(row), flush=True)
+        return
+    rows = []
+    for key in args.models:
+        for cache in args.caches:
+            rows.append(startup_row(args, key, cache))
+            print(json.dumps(rows[-1]), flush=True)
+            pathlib.Path(args.out).write_text(json.dumps({"hf_startup": rows}, indent=1) + "\n")  # partial rows survive
+
+
+if __name__ == "__main__":
+    main()
