@@ -35,7 +35,7 @@ shorter trace, ``--agreement-requests``, checked by the cold run: bf16 rows are 
 compared).
 
 ``--memory-estimate``: ``piecewise_backend.estimate_graph_memory`` on the engine's compiled model
-(from the captures of the smallest and largest default size, or of ``--estimate-from``), then every
+(from the captures of the smallest, the largest and one more default size, or of ``--estimate-from``), then every
 default size captured: ``{predicted_bytes, measured_bytes, sizes, from_sizes, error}``.
 """
 
@@ -216,7 +216,7 @@ def agreement(args, variant: str, device: str) -> float:
 def memory_estimate(args, device: str) -> dict:
     """``estimate_graph_memory`` against the pool measured after capturing every default size, on
     the engine's compiled model (``--estimate-from``: the sizes whose captures it rests on; "ends":
-    the smallest and the largest default size)."""
+    the smallest and the largest default size, and one more after it)."""
     import piecewise_backend
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

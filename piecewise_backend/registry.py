@@ -54,9 +54,9 @@ def _able_to_capture() -> tuple[list, str]:
 
 
 def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
-    """The graph pool ``sizes`` need, from two captures (``runtime/memory_estimate.py``): size a KV
+    """The graph pool ``sizes`` need, from three captures (``runtime/memory_estimate.py``): size a KV
     cache with what is left. ``graph``: a compiled graph (default: the one called most that can
-    capture up front). Captures the smallest and the largest of ``sizes`` if they are not yet."""
+    capture up front). Captures the smallest, the largest and one more of ``sizes`` if they are not yet."""
     if graph is None:
         able, reasons = _able_to_capture()
         if not able:

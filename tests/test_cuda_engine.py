@@ -111,7 +111,7 @@ def test_varlen_attention_over_the_pages_matches_the_reference_attention():
     torch.testing.assert_close(outs[torch.bfloat16], outs[torch.float32], atol=3e-2, rtol=3e-2)
 
 
-def test_graph_memory_estimated_from_two_captures_is_the_pool_of_every_size():
+def test_graph_memory_estimated_from_three_captures_is_the_pool_of_every_size():
     torch._dynamo.reset()
     model = _model(toy.ATTENTION)
     compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": [toy.ATTENTION],
@@ -121,7 +121,9 @@ def test_graph_memory_estimated_from_two_captures_is_the_pool_of_every_size():
     graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front),
                 key=lambda g: g.stats.calls)
     guess = piecewise_backend.estimate_graph_memory("all", graph)
-    assert [s for s, _ in guess.measured] == [1, 64] and {(1,), (64,)} <= graph.captured
+    # the smallest, the largest and one size captured after it (the warm-up's 48 came first)
+    measured = [s for s, _ in guess.measured]
+    assert {1, 64} <= set(measured) and len(measured) >= 3 and {(1,), (64,)} <= graph.captured, str(guess)
     graph.capture("all")
     measured = piecewise_backend.pool_bytes()
     assert abs(guess.predicted_bytes - measured) <= 0.1 * measured, (str(guess), measured)
