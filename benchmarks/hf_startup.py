@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import hf_generate  # noqa: E402  (its model keys and builder)
+from child_rows import child_row, report  # noqa: E402
 
 MAX_CACHE = 256  # the static cache's length: no generate() below outgrows it
 START = ((1, 4), (2, 4))  # (batch, new tokens) of the start-up generate() calls
@@ -81,15 +80,9 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
 
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
     cmd = [sys.executable, __file__, "--out", "-", "--device", args.device, "--dtype", args.dtype,
            "--child", json.dumps([key, cache, backend, after_start])]
-    try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.child_timeout} s"}
-    lines = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]
-    return json.loads(lines[-1]) if lines else {"error": done.stderr[-600:]}
+    return child_row(cmd, args.child_timeout, caches)
 
 
 def startup_row(args, key: str, cache: str) -> dict:
@@ -123,7 +116,7 @@ def main() -> None:
     if args.child:
         key, cache, backend, after_start = json.loads(args.child)
         row = first_calls(key, cache, backend, args.device, getattr(torch, args.dtype), after_start)
-        print("ROW " + json.dumps(row), flush=True)
+        report(row)
         return
     rows = []
     for key in args.models:

@@ -49,10 +49,8 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
-import os  # noqa: E402
 import pathlib  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
@@ -60,6 +58,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _checkout  # noqa: E402,F401  (the repository root on sys.path)
+from child_rows import child_row, report  # noqa: E402
 from toys import engine as toy  # noqa: E402
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "piecewise", "piecewise-all", "piecewise-cap8")
@@ -250,7 +249,7 @@ def child(args) -> None:
     """One (variant, start) in this process: print its row as JSON."""
     device = args.device
     if args.variant == "memory":
-        print("ROW " + json.dumps({"variant": "memory", **memory_estimate(args, device)}), flush=True)
+        report({"variant": "memory", **memory_estimate(args, device)})
         return
     try:
         row = serve(args, args.variant, device)
@@ -259,7 +258,7 @@ def child(args) -> None:
             row["token_agreement"] = 1.0 if args.variant == "eager" else agreement(args, args.variant, device)
     except Exception as exc:  # a variant that fails is a result: say how
         row = {"variant": args.variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    print("ROW " + json.dumps({**row, "start": args.start, "config": args.config}), flush=True)
+    report({**row, "start": args.start, "config": args.config})
 
 
 def figure(rows: list[dict], png: pathlib.Path) -> None:
@@ -311,25 +310,18 @@ def main() -> None:
         return figure(rows, pathlib.Path(args.figure))
     passed = [a for a in sys.argv[1:]]
     if args.memory_estimate:
-        done = subprocess.run([sys.executable, __file__, *passed, "--variant", "memory", "--start", "warm"],
-                              capture_output=True, text=True, timeout=args.child_timeout)
-        lines = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]
-        estimate = json.loads(lines[-1]) if lines else {"error": done.stderr[-600:]}
+        estimate = child_row([sys.executable, __file__, *passed, "--variant", "memory", "--start", "warm"],
+                             args.child_timeout)
         print(json.dumps(estimate), flush=True)
         out.write_text(json.dumps({"serving": rows, "graph_memory_estimate": estimate}, indent=1) + "\n")
         return
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory() as caches:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor", "TRITON_CACHE_DIR": f"{caches}/triton"}
             for start in args.starts.split(","):
                 cmd = [sys.executable, __file__, *passed, "--variant", variant, "--start", start]
-                try:
-                    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.child_timeout)
-                    lines = [ln[4:] for ln in done.stdout.splitlines() if ln.startswith("ROW ")]
-                    row = json.loads(lines[-1]) if lines else {"variant": variant, "start": start,
-                                                                "error": done.stderr[-600:]}
-                except subprocess.TimeoutExpired:
-                    row = {"variant": variant, "start": start, "error": f"timed out after {args.child_timeout} s"}
+                row = child_row(cmd, args.child_timeout, caches)
+                if "error" in row:
+                    row = {"variant": variant, "start": start, **row}
                 rows = [r for r in rows if (r.get("variant"), r.get("start")) != (variant, start)] + [row]
                 print(json.dumps({k: v for k, v in row.items() if k != "itl_over_time"}), flush=True)
                 out.write_text(json.dumps({"serving": rows}, indent=1) + "\n")  # partial results survive a cut
