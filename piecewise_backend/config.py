@@ -159,7 +159,8 @@ class PiecewiseConfig:
                 f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "defer_captures", "capture_kv_writes", "graph_attention"):
+        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "defer_captures", "capture_kv_writes",
+                    "graph_attention"):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:
