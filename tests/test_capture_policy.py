@@ -216,6 +216,28 @@ def test_graph_memory_is_the_largests_line_plus_each_further_sizes_own_bytes(ord
         assert guess.largest_size_within(truth([s for s in sizes if s <= 64]), sizes) == 64
 
 
+def test_estimate_captures_the_smallest_the_largest_and_one_more_after_it():
+    """``estimate``'s captures on a stand-in graph whose pool follows ``_pool_events``' physics
+    (a warm-up already captured 48): it adds the smallest, the largest and one size after it."""
+    import types
+
+    sizes = (1, 2, 4, 8, 16, 32, 48, 64)
+    order = [48]
+
+    def capture(asked):
+        order.extend(asked)
+        graph.captured.update((s,) for s in asked)
+        graph.stats.events = _pool_events(order)[0]
+        return [(s,) for s in asked]
+
+    graph = types.SimpleNamespace(device=torch.device("cuda"), serial=3, pad_position=0, captured={(48,)},
+                                  stats=types.SimpleNamespace(events=_pool_events(order)[0]), capture=capture,
+                                  up_front=types.SimpleNamespace(keys_of=lambda _: [(s,) for s in reversed(sizes)]))
+    guess = memory_estimate.estimate(graph, "all")
+    assert order == [48, 1, 64, 2]  # the smallest, the largest, then the smallest left
+    assert guess.predicted_bytes == pytest.approx(_pool_events(order)[1](sizes), rel=1e-6), str(guess)
+
+
 def test_estimating_graph_memory_off_the_gpu_says_where_it_must_run():
     import types
 

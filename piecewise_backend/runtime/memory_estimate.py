@@ -118,13 +118,16 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
             raise RuntimeError(f"piecewise: graph {graph.serial} did not capture size {key[position]} (see its "
                                f"warnings and stats.summary()); nothing to measure.")
 
+    def measure() -> GraphMemoryEstimate:
+        asked = set(keys)
+        return from_events(tuple(k[position] for k in keys), [e for e in graph.stats.events if e.key in asked],
+                           position)
+
     for key in (keys[-1], keys[0]):  # the smallest, then the largest
         ensure(key)
-    asked = set(keys)
-    captured = [e.key for e in graph.stats.events if e.key in asked]
-    if all(k == keys[0] for k in captured[captured.index(keys[0]):]):  # none after the largest yet
-        more = next((k for k in reversed(keys) if k not in graph.captured), None)
-        if more is not None:
-            ensure(more)
-    events = [e for e in graph.stats.events if e.key in asked]
-    return from_events(tuple(k[position] for k in keys), events, position)
+    guess = measure()
+    more = next((k for k in reversed(keys) if k not in graph.captured), None)
+    if guess.measured[-1][0] == keys[0][position] and more is not None:  # no size captured after the largest
+        ensure(more)
+        guess = measure()
+    return guess
