@@ -207,7 +207,7 @@ def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
 
 
 def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake_outputs: Mapping, key: ShapeKey,
-             unmasked: Mapping, row_access: Mapping, batch_sized: Mapping) -> PaddingPlan:
+             unmasked: Mapping, row_access: Mapping, batch_sized: Mapping, inputs: GraphInputs) -> PaddingPlan:
     """The KV writes moved into compute pieces are masked to the caller's rows, so they neither
     forbid padding nor count as mixing rows (``row_access`` names them): only each piece's
     ``unmasked`` writes do. They do read and write their caches by batch row, so a padded batch may
@@ -215,11 +215,13 @@ def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake
     if key.pad_position is None:
         return PaddingPlan({}, None, (), "no dynamic batch size: one shape, captured as is")
     sym = key.symbols[key.pad_position]
+    in_place_rows = _in_place_batch_rows(split, inputs, sym)
     # a whole-tensor write of a tensor without batch rows (a step counter) leaves padded rows nothing to write
     unmasked = {piece: tuple(w for w in written if w not in split.whole_writes or sym in batch_sized[w])
                 for piece, written in unmasked.items()}
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
     per_piece, refusal, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked, row_access)
+    refusal = refusal or in_place_rows
     if not config.padding:
         return PaddingPlan({}, refusal, capacities, "off (padding=False): only exact capture sizes get graphs")
     if refusal:
@@ -294,10 +296,27 @@ def _scalars_read_by_compute(split: SplitGraph, inputs: GraphInputs) -> dict[int
     """
     names = {n.name: i for i, n in enumerate(facts.placeholders(inputs.graph_module.graph))
              if i in inputs.python_scalars}
+    return {names[name]: name for name in _read_by_compute(split) if name in names}
+
+
+def _read_by_compute(split: SplitGraph) -> set[str]:
+    """Names of the graph inputs that compute pieces take as arguments."""
     compute = {spec.name for spec in split.pieces if spec.kind == PieceKind.COMPUTE}
-    read = {a.name for n in split.graph_module.graph.nodes if n.op == "call_module" and str(n.target) in compute
-            for a in n.args if isinstance(a, torch.fx.Node) and a.name in names}
-    return {names[name]: name for name in read}
+    return {a.name for n in split.graph_module.graph.nodes if n.op == "call_module" and str(n.target) in compute
+            for a in n.args if isinstance(a, torch.fx.Node) and a.op == "placeholder"}
+
+
+def _in_place_batch_rows(split: SplitGraph, inputs: GraphInputs, sym) -> str | None:
+    """Why no batch can be padded when a compute piece uses in place an input whose shape holds the
+    batch size (a static cache made for each batch size, written at its own address): a padded
+    batch would have rows that tensor does not. None when there is none."""
+    read = _read_by_compute(split)
+    for node, value in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs):
+        if node.name in inputs.static_names and node.name in read and isinstance(value, torch.Tensor) \
+                and sym in facts.value_symbols(value, with_offset=False):
+            return (f"{node.name} {tuple(value.shape)} is used in place and has the batch size {sym} in its "
+                    f"shape: a padded batch would have rows it does not")
+    return None
 
 
 def _piece_code(split: SplitGraph) -> dict[str, str]:
@@ -321,7 +340,7 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     symbols = {n.name: facts.value_symbols(v, with_offset=False)  # only whole writes need them
                for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)
                if n.name in split.whole_writes}
-    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access, symbols)
+    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access, symbols, inputs)
     calls = _attention_calls(split)
     return GraphPlan(
         split=split, compiled=dict(compiled),

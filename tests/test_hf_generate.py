@@ -358,6 +358,34 @@ def test_a_static_cache_sized_by_max_cache_len_serves_a_longer_generate_without_
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+def test_a_new_batch_size_with_the_static_cache_is_a_capture_not_a_compile():
+    """transformers makes a static cache per batch size, its batch dim the batch's. The decode rewrite
+    read that dim as an int, so Dynamo's automatic dynamic batch was specialised again (a guard
+    ``s == 2`` from the rewrite) and every new batch size recompiled. Now, after the start-up calls at
+    batch 1 and 2, later sizes compile nothing; each is captured at its own size (the cache, used in
+    place, has no rows to pad into), with eager's tokens."""
+    torch._dynamo.reset()
+    model = _model("llama", "cpu", layers=1)
+    eager_forward = model.forward
+    compiled = torch.compile(eager_forward, backend="piecewise")
+    g = torch.Generator().manual_seed(0)
+    first = last_serial()
+    for batch in (1, 2, 4, 3):
+        start = last_serial()
+        ids = torch.randint(0, 256, (batch, PROMPT), generator=g)
+        model.forward = compiled
+        mine = _generate(model, ids, 5, cache_implementation="static", max_cache_len=32)
+        model.forward = eager_forward
+        assert torch.equal(mine, _generate(model, ids, 5, cache_implementation="static", max_cache_len=32))
+        if batch > 2:
+            assert graphs_since(start) == [], f"batch {batch} compiled again"
+    decode = busiest_graph(first)
+    assert {key[decode.pad_position] for key in decode.stats.captured_keys} == {2, 3, 4}, decode.stats.summary()
+    assert decode.stats.ungraphed_runs == 0, decode.stats.summary()
+    assert "is used in place and has the batch size" in decode.stats.padding, decode.stats.padding
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 def test_transformers_compile_config_route():
     """``CompileConfig(backend="piecewise")``: transformers compiles the decode steps itself (its default
     mode, "reduce-overhead", is what the backend does anyway) and runs the prefill eagerly."""

@@ -34,7 +34,8 @@ class Site:
     node: torch.fx.Node  # the write (a setitem or an index_copy_), or the read (a getitem)
     buffer: torch.fx.Node
     value: torch.fx.Node | None  # what a write writes
-    # per indexed dim: (FULL, size) | (PREFIX, int or placeholder) | (STEP, placeholder, n) | (INDEX, node)
+    # per indexed dim: (FULL, size: int or SymInt) | (PREFIX, int or placeholder) | (STEP, placeholder, n) |
+    # (INDEX, node)
     dims: tuple
 
 
@@ -42,8 +43,8 @@ def slice_dim(s, d: int, buffer_value: torch.Tensor, steps: frozenset, placehold
     """A full or prefix slice of dim ``d`` in our supported form, or None."""
     if not isinstance(s, slice) or s.step is not None or s.start is not None:
         return None
-    if s.stop is None:
-        return (Dim.FULL, int(buffer_value.shape[d]))
+    if s.stop is None:  # the size as it is: int() would turn a dynamic size (a static cache's batch) into a
+        return (Dim.FULL, buffer_value.shape[d])  # guard on its value, a recompile per batch size
     if isinstance(s.stop, int) or (s.stop in placeholders and not facts.is_per_step(s.stop, steps)):
         return (Dim.PREFIX, s.stop)
     return None
@@ -104,6 +105,8 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
             out.append(add("call_method", "view", dim[1], shape))
             continue
         size = dim[1] if dim[0] != Dim.STEP else dim[2]
+        if not isinstance(size, int):  # a dynamic full dim: its size read from the buffer in the graph
+            size = add("call_method", "size", site.buffer, d)
         rows = add("call_function", torch.arange, size, device=device)
         if dim[0] == Dim.STEP:
             start = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
