@@ -105,7 +105,7 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
             out.append(add("call_method", "view", dim[1], shape))
             continue
         size = dim[1] if dim[0] != Dim.STEP else dim[2]
-        if not isinstance(size, int):  # a dynamic full dim: its size read from the buffer in the graph
+        if dim[0] == Dim.FULL and not isinstance(size, int):  # a dynamic full dim: its size read from the buffer
             size = add("call_method", "size", site.buffer, d)
         rows = add("call_function", torch.arange, size, device=device)
         if dim[0] == Dim.STEP:
