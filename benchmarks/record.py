@@ -134,7 +134,8 @@ def main() -> None:
         result["moved_weights"] = {**json.loads(pathlib.Path(args.moved_weights).read_text()), "code_hash": digest}
     if args.hf:
         hf = json.loads(pathlib.Path(args.hf).read_text())
-        result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "layers", "cache", "batch", "variant"), digest)
+        result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "layers", "cache", "batch", "variant"),
+                                  digest)
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
     if args.threads:
         result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}
