@@ -161,13 +161,23 @@ def measure(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]
     return out, min(times)
 
 
-def piecewise_facts() -> dict:
+def graph_calls() -> dict:
+    """Calls served so far per compiled graph (its serial): what a row's run adds tells which graph served it."""
+    import piecewise_backend
+
+    return {g.serial: g.stats.calls for g in piecewise_backend.compiled_graphs()}
+
+
+def piecewise_facts(calls_before: dict | None = None) -> dict:
+    """Facts of the graph that served the most calls since ``calls_before`` (``graph_calls()``; None:
+    the busiest graph): the decode graph of the row's batch, not another batch's."""
     import piecewise_backend
 
     graphs = piecewise_backend.compiled_graphs()
     if not graphs:
         return {}
-    busiest = max(graphs, key=lambda g: g.stats.calls)
+    before = calls_before or {}
+    busiest = max(graphs, key=lambda g: g.stats.calls - before.get(g.serial, 0))
     return {"graphs": len(graphs), "decode_pieces": busiest.stats.num_pieces,
             "decode_compute_pieces": busiest.stats.num_compute_pieces, "replays": busiest.stats.replays,
             "captures": busiest.stats.captures, "ungraphed_runs": busiest.stats.ungraphed_runs,
@@ -220,6 +230,7 @@ def _measure_row(row: dict, model, ids, kwargs: dict, failure: str | None, refer
     try:
         if failure:
             raise RuntimeError(failure)
+        calls_before = graph_calls() if "piecewise" in variant else None
         out, ms = measure(model, ids, row["tokens"], kwargs)
         if variant == "eager":
             reference.setdefault(batch, out)
@@ -230,7 +241,7 @@ def _measure_row(row: dict, model, ids, kwargs: dict, failure: str | None, refer
         row["token_agreement"] = min(agreement, row.get("token_agreement", 1.0))  # the worst round's
         row["speedup_vs_eager"] = round(by_key["eager", batch]["ms_per_token"] / row["ms_per_token"], 2)
         if "piecewise" in variant:
-            row.update(piecewise_facts())
+            row.update(piecewise_facts(calls_before))
     except Exception as exc:  # a path that fails is a result too
         row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         traceback.print_exc()

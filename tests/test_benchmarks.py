@@ -432,6 +432,28 @@ def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
     assert "error" in by_variant["no-such-variant"] and "ms_rounds" not in by_variant["no-such-variant"]
 
 
+def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
+    """A row's graph facts are the graph that served most of *its* calls, not the busiest overall (a
+    batch-4 row used to report the batch-1 decode graph, which had served more calls)."""
+    import types
+
+    import hf_generate
+    import piecewise_backend
+
+    def graph(serial, calls, captures):
+        stats = types.SimpleNamespace(calls=calls, num_pieces=1, num_compute_pieces=1, replays=0, captures=captures,
+                                      ungraphed_runs=0, misses={}, miss_details={})
+        plan = types.SimpleNamespace(attention=(), key=types.SimpleNamespace(symbols=()))
+        return types.SimpleNamespace(serial=serial, stats=stats, plan=plan)
+
+    old, new = graph(1, 100, 1), graph(2, 0, 2)
+    monkeypatch.setattr(piecewise_backend, "compiled_graphs", lambda: [old, new])
+    before = hf_generate.graph_calls()
+    old.stats.calls, new.stats.calls = 110, 30
+    assert hf_generate.piecewise_facts(before)["captures"] == 2
+    assert hf_generate.piecewise_facts()["captures"] == 1  # without a baseline: the busiest overall
+
+
 def test_hf_generate_builds_each_architecture_at_a_depth_and_refuses_an_unknown_key():
     """``ARCH-NL-DIMS`` keys (the issue's Qwen3, Phi-3, Gemma 3 rows), built on the meta device."""
     pytest.importorskip("transformers")
