@@ -76,7 +76,12 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
         assert len(rows[variant]["pipelined_ms_rounds"]) == 3, rows[variant]
         assert rows[variant]["pipelined_ms"] == round(statistics.median(rows[variant]["pipelined_ms_rounds"]), 4)
         assert len(rows[variant]["host_probe_us_rounds"]) == 3 and 0 <= rows[variant]["fast_host_rounds"] <= 3
-    assert max(rows[v]["fast_host_rounds"] for v in ("eager", "piecewise")) >= 1  # the fastest probe's round
+        # a round counts as full speed when its probe (the slower of the two around it) is within
+        # FAST_HOST of the fastest single probe; how many are is up to the machine, not asserted (a busy
+        # CI host once left none), the rule is
+        fastest = rows[variant]["host_probe_fastest_us"]
+        assert rows[variant]["fast_host_rounds"] == sum(
+            p <= suite.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]), rows[variant]
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
