@@ -17,7 +17,8 @@ model is built (its weights' time left out):
   batch 4 with 48 tokens (``compiles_after_start``: Dynamo graphs compiled by those two);
 * ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up.
 
-Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``;
+Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``, with
+each start's breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
 ``record.py --hf-startup`` stamps them with the code hash.
 """
 
@@ -55,6 +56,7 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     model.forward = torch.compile(model.forward, dynamic=dynamic, **options)
     kwargs = {"cache_implementation": "static", "max_cache_len": MAX_CACHE} if cache == "static" else {}
     g = torch.Generator().manual_seed(0)
+    compile_before = compile_totals()
 
     def generate(batch: int, tokens: int) -> float:
         ids = torch.randint(3, model.config.vocab_size, (batch, hf_generate.PROMPT), generator=g).to(device)
@@ -72,11 +74,27 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
         row["new_batch_s"] = round(generate(*NEW_BATCH), 2)
         row["new_length_s"] = round(generate(*NEW_LENGTH), 2)
         row["compiles_after_start"] = counters["stats"]["unique_graphs"] - before
+    row.update({name: round(value - compile_before[name], 2) for name, value in compile_totals().items()})
     if backend == "piecewise":
         stats = piecewise_backend.process_stats()
         row.update(capture_s=round(stats["capture_seconds"], 2), backend_build_s=round(
             sum(g.stats.build_seconds for g in piecewise_backend.compiled_graphs()), 2))
     return row
+
+
+def compile_totals() -> dict:
+    """Where compile time went so far in this process, from Dynamo's own counters and timers:
+    ``dynamo_frames`` (graphs Dynamo compiled), ``dynamo_compile_s`` (their compile, the backend's
+    included) and ``backend_call_s`` (the backend's share). The difference of the last two is
+    Dynamo's tracing and guards, which no cache of torch 2.11's skips for a custom backend."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+    from torch._dynamo.utils import counters
+
+    def total(name: str) -> float:
+        return sum(metrics.get(name, ()))  # timer names as on torch 2.11-2.13
+
+    return {"dynamo_frames": counters["stats"]["unique_graphs"], "dynamo_compile_s": total("_compile.compile_inner"),
+            "backend_call_s": total("OutputGraph.call_user_compiler")}
 
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
@@ -98,6 +116,8 @@ def startup_row(args, key: str, cache: str) -> dict:
                new_length_s=warm.get("new_length_s"), inductor_cold_s=inductor.get("start_s"),
                compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
                backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"))
+    for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)):  # where each start's time went
+        row.update({f"{name}_{part}": r.get(name) for name in ("dynamo_frames", "dynamo_compile_s", "backend_call_s")})
     if errors:
         row["errors"] = errors
     return row
