@@ -15,7 +15,8 @@ model is built (its weights' time left out):
 * ``warm_s``: the same in a new process with the cold run's caches; then, in that process,
   ``new_batch_s``: the first ``generate()`` at batch 4 (16 tokens), and ``new_length_s``: then at
   batch 4 with 48 tokens (``compiles_after_start``: Dynamo graphs compiled by those two);
-* ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up.
+* ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up;
+* ``--specialize-float``: all three with ``torch._dynamo.config.specialize_float=True``.
 
 Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``, with
 each start's breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
@@ -43,11 +44,15 @@ START = ((1, 4), (2, 4))  # (batch, new tokens) of the start-up generate() calls
 NEW_BATCH, NEW_LENGTH = (4, 16), (4, 48)
 
 
-def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dtype, after_start: bool) -> dict:
+def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dtype, after_start: bool,
+                specialize_float: bool = False) -> dict:
     """Build ``key``, compile its forward with ``backend`` ("piecewise" or "inductor"), time the
-    start-up calls and, ``after_start``, the first call at a new batch size and at a new length."""
+    start-up calls and, ``after_start``, the first call at a new batch size and at a new length.
+    ``specialize_float``: Dynamo keeps Python floats constants (the README's advice with ``dynamic=True``)."""
     import piecewise_backend
     from torch._dynamo.utils import counters
+
+    torch._dynamo.config.specialize_float = specialize_float
 
     model = hf_generate.build_model(key, device, dtype)
     model.generation_config.disable_compile = True  # transformers' own compile of the static cache: not this
@@ -99,13 +104,14 @@ def compile_totals() -> dict:
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
     cmd = [sys.executable, __file__, "--out", "-", "--device", args.device, "--dtype", args.dtype,
-           "--child", json.dumps([key, cache, backend, after_start])]
+           "--child", json.dumps([key, cache, backend, after_start, args.specialize_float])]
     return child_row(cmd, args.child_timeout, caches)
 
 
 def startup_row(args, key: str, cache: str) -> dict:
     _, _, name, layers = hf_generate.model_config(key)
-    row: dict = {"model": name, "layers": layers, "cache": cache, "dtype": args.dtype}
+    row: dict = {"model": name, "layers": layers, "cache": cache, "dtype": args.dtype,
+                 "specialize_float": args.specialize_float}
     with tempfile.TemporaryDirectory() as caches:
         cold = _child(args, key, cache, "piecewise", False, caches)
         warm = _child(args, key, cache, "piecewise", True, caches)
@@ -131,11 +137,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--child-timeout", type=int, default=240)
-    parser.add_argument("--child", help=argparse.SUPPRESS)  # [key, cache, backend, after_start], in a child
+    parser.add_argument("--specialize-float", action="store_true",
+                        help="torch._dynamo.config.specialize_float=True in every start (Inductor's too)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # [key, cache, backend, after_start, specialize_float]
     args = parser.parse_args()
     if args.child:
-        key, cache, backend, after_start = json.loads(args.child)
-        row = first_calls(key, cache, backend, args.device, getattr(torch, args.dtype), after_start)
+        key, cache, backend, after_start, specialize_float = json.loads(args.child)
+        row = first_calls(key, cache, backend, args.device, getattr(torch, args.dtype), after_start, specialize_float)
         report(row)
         return
     rows = []

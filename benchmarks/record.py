@@ -149,7 +149,10 @@ def main() -> None:
             result["graph_memory_estimate"] = {**serving["graph_memory_estimate"], "code_hash": digest}
     if args.hf_startup:
         rows = json.loads(pathlib.Path(args.hf_startup).read_text())["hf_startup"]
-        result["hf_startup"] = merge_rows(result.get("hf_startup", []), rows, ("model", "layers", "cache"), digest)
+        unset = {"specialize_float": False}  # rows from before the option: torch's default
+        result["hf_startup"] = merge_rows([{**unset, **r} for r in result.get("hf_startup", [])],
+                                          [{**unset, **r} for r in rows],
+                                          ("model", "layers", "cache", "specialize_float"), digest)
     if args.entry:
         result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:

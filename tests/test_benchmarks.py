@@ -332,6 +332,7 @@ def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
     assert (result["tests"]["passed"], result["tests"]["failed"], result["tests"]["skipped"]) == (6, 1, 2)
     (row,) = result["hf_startup"]
     assert row["cold_s"] == 9.0 and row["code_hash"] == result["tests"]["code_hash"]
+    assert row["specialize_float"] is False  # a row from before the option: torch's default
 
 
 def test_rows_say_what_shared_their_process_and_its_limit():
