@@ -87,6 +87,22 @@ def _generate_both(model, batches, new_tokens, device, options=None, dynamic=Non
     return out
 
 
+def _compiled_and_eager(model, **compile_kwargs):
+    """``both(batch, new_tokens)``: greedy tokens of one compiled forward (kept across calls, so its
+    Dynamo cache grows as a server's would) and of eager, on the same random prompt."""
+    eager_forward = model.forward
+    compiled = torch.compile(eager_forward, backend="piecewise", **compile_kwargs)
+    g = torch.Generator().manual_seed(0)
+
+    def both(batch, new_tokens):
+        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g)
+        model.forward = compiled
+        mine = _generate(model, ids, new_tokens)
+        model.forward = eager_forward
+        return batch, mine, _generate(model, ids, new_tokens)
+    return both
+
+
 def _assert_same_tokens(results):
     for batch, mine, theirs in results:
         assert torch.equal(mine, theirs), f"batch {batch}: {mine} vs {theirs}"
@@ -181,18 +197,7 @@ def test_dynamic_true_warmed_at_batches_1_and_2_compiles_nothing_for_other_batch
     batch above it compile each (prefill, the first decode step, the later ones: 3 new tokens or
     more); after both, no batch size or ``max_new_tokens`` compiles again."""
     torch._dynamo.reset()
-    model = _model("qwen2", "cpu")
-    eager_forward = model.forward
-    compiled = torch.compile(eager_forward, backend="piecewise", dynamic=True)
-    g = torch.Generator().manual_seed(0)
-
-    def both(batch, new_tokens):
-        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g)
-        model.forward = compiled
-        mine = _generate(model, ids, new_tokens)
-        model.forward = eager_forward
-        return batch, mine, _generate(model, ids, new_tokens)
-
+    both = _compiled_and_eager(_model("qwen2", "cpu"), dynamic=True)
     warm = [both(1, 4), both(2, 4)]  # start-up: prefill, first and later decode steps, at 1 and at 2
     start = last_serial()
     later = [both(batch, tokens) for batch, tokens in ((5, 6), (3, 12), (1, 9), (8, 4))]
@@ -225,19 +230,8 @@ def test_specialize_float_spares_dynamo_its_restarts_with_dynamic_true(monkeypat
 
     monkeypatch.setattr(dynamo_exc.TensorifyScalarRestartAnalysis, "__init__", counting_init)
     torch._dynamo.reset()
-    model = _model("qwen3", "cpu")
-    eager_forward = model.forward
-    g = torch.Generator().manual_seed(0)
-
-    def both(batch, new_tokens):
-        ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT), generator=g)
-        model.forward = compiled
-        mine = _generate(model, ids, new_tokens)
-        model.forward = eager_forward
-        return batch, mine, _generate(model, ids, new_tokens)
-
-    with torch._dynamo.config.patch(specialize_float=True):
-        compiled = torch.compile(eager_forward, backend="piecewise", dynamic=True)
+    with torch._dynamo.config.patch(specialize_float=True):  # read while Dynamo traces: the calls' time
+        both = _compiled_and_eager(_model("qwen3", "cpu"), dynamic=True)
         warm = [both(1, 4), both(2, 4)]
         start = last_serial()
         later = [both(3, 6)]
