@@ -21,6 +21,10 @@ Variants, side by side in one process (the machines are noisy; read ratios):
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that
   tell its cached graphs apart (a server's choice once warmed up; the backend cannot make it).
+* ``piecewise-no-clone``: ``piecewise`` with ``clone_outputs=False``: the logits stay in the graph
+  pool until the next call (the step reads them first), no copy per step.
+* ``piecewise-fast-call``: ``piecewise-no-clone`` decoding under ``skip_guard_eval_unsafe``: every
+  per-call saving a user can choose at once.
 * ``piecewise-full-skip-guards``: ``piecewise-full`` decoding the same way: how much of full mode's
   excess over ``limit`` is Dynamo's guard evaluation.
 * ``piecewise-full``: this backend, ``mode="full"`` (with ``graph_attention``), on the model
@@ -101,7 +105,8 @@ MODELS = {
 # the same sizes, written in an idiom other than the toys' own (``toys/idioms.py``): key -> (size, class)
 IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28L", "tiny")}
 BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-full",
+                 "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-no-clone",
+                 "piecewise-fast-call", "piecewise-full",
                  "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
 VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
 
@@ -112,7 +117,8 @@ def sdpa_setting(variant: str, device: str):
 # variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
 # options: where that variant is in the same process and compiled first, Dynamo serves its cache
 # entries and this one compiles nothing of its own)
-SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full"}
+SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full",
+               "piecewise-fast-call": "piecewise-no-clone"}
 
 
 def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
@@ -299,6 +305,7 @@ def compiled_variant(variant: str, model, pinned: bool = False):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True, **inductor_extra})
     options = {"piecewise": {}, "piecewise-eager-attention": {"graph_attention": False},
                "piecewise-kv-eager": {"capture_kv_writes": False, "graph_attention": False},
+               "piecewise-no-clone": {"clone_outputs": False},
                "piecewise-full": {"mode": "full"},
                # its masked attention over the whole cache: nothing to rewrite
                "piecewise-full-static": {"mode": "full", "graph_attention": False}}
