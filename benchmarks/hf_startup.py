@@ -89,17 +89,19 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
 
 def compile_totals() -> dict:
     """Where compile time went so far in this process, from Dynamo's own counters and timers:
-    ``dynamo_frames`` (graphs Dynamo compiled), ``dynamo_compile_s`` (their compile, the backend's
-    included) and ``backend_call_s`` (the backend's share). The difference of the last two is
-    Dynamo's tracing and guards, which no cache of torch 2.11's skips for a custom backend."""
+    ``dynamo_frames`` (graphs Dynamo compiled), ``dynamo_traces`` (its traces: one more per restart,
+    e.g. ``TensorifyScalarRestartAnalysis`` for a float Inductor cannot take), ``dynamo_compile_s``
+    (their compile, the backend's included) and ``backend_call_s`` (the backend's share). The
+    difference of the last two is Dynamo's tracing and guards, which no cache of torch 2.11's skips
+    for a custom backend."""
     from torch._dynamo.utils import compilation_time_metrics as metrics
     from torch._dynamo.utils import counters
 
     def total(name: str) -> float:
         return sum(metrics.get(name, ()))  # timer names as on torch 2.11-2.13
 
-    return {"dynamo_frames": counters["stats"]["unique_graphs"], "dynamo_compile_s": total("_compile.compile_inner"),
-            "backend_call_s": total("OutputGraph.call_user_compiler")}
+    return {"dynamo_frames": counters["stats"]["unique_graphs"], "dynamo_traces": len(metrics.get("bytecode_tracing", ())),
+            "dynamo_compile_s": total("_compile.compile_inner"), "backend_call_s": total("OutputGraph.call_user_compiler")}
 
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
@@ -123,7 +125,8 @@ def startup_row(args, key: str, cache: str) -> dict:
                compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
                backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"))
     for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)):  # where each start's time went
-        row.update({f"{name}_{part}": r.get(name) for name in ("dynamo_frames", "dynamo_compile_s", "backend_call_s")})
+        row.update({f"{name}_{part}": r.get(name)
+                    for name in ("dynamo_frames", "dynamo_traces", "dynamo_compile_s", "backend_call_s")})
     if errors:
         row["errors"] = errors
     return row
