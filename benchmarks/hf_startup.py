@@ -52,7 +52,8 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     import piecewise_backend
     from torch._dynamo.utils import counters
 
-    torch._dynamo.config.specialize_float = specialize_float
+    if specialize_float:  # else torch's default, whatever it is
+        torch._dynamo.config.specialize_float = True
 
     model = hf_generate.build_model(key, device, dtype)
     model.generation_config.disable_compile = True  # transformers' own compile of the static cache: not this
@@ -100,8 +101,10 @@ def compile_totals() -> dict:
     def total(name: str) -> float:
         return sum(metrics.get(name, ()))  # timer names as on torch 2.11-2.13
 
-    return {"dynamo_frames": counters["stats"]["unique_graphs"], "dynamo_traces": len(metrics.get("bytecode_tracing", ())),
-            "dynamo_compile_s": total("_compile.compile_inner"), "backend_call_s": total("OutputGraph.call_user_compiler")}
+    return {"dynamo_frames": counters["stats"]["unique_graphs"],
+            "dynamo_traces": len(metrics.get("bytecode_tracing", ())),
+            "dynamo_compile_s": total("_compile.compile_inner"),
+            "backend_call_s": total("OutputGraph.call_user_compiler")}
 
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
