@@ -16,7 +16,8 @@ import pathlib
 
 VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
                  "piecewise-eager-attention", "piecewise-kv-eager", "piecewise-graph-attention",
-                 "piecewise-skip-guards", "piecewise-no-clone", "piecewise-fast-call", "piecewise-full", "piecewise-full-skip-guards", "piecewise-full-static",
+                 "piecewise-skip-guards", "piecewise-no-clone", "piecewise-fast-call", "piecewise-full",
+                 "piecewise-full-skip-guards", "piecewise-full-static",
                  "dynamo-floor", "limit", "limit-full")
 
 
