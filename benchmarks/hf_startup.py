@@ -16,10 +16,12 @@ model is built (its weights' time left out):
   ``new_batch_s``: the first ``generate()`` at batch 4 (16 tokens), and ``new_length_s``: then at
   batch 4 with 48 tokens (``compiles_after_start``: Dynamo graphs compiled by those two);
 * ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up;
+* ``--skip-inductor``: no ``inductor_cold_s`` (a start known to outlast ``--child-timeout``);
 * ``--specialize-float``: all three with ``torch._dynamo.config.specialize_float=True``.
 
 Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``, with
-each start's breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
+the backend's build time and its Inductor share (``backend_build_s_*``, ``backend_inductor_s_*``; the
+rest is its rewrite, split and fake run), its Inductor compiles at start-up, and each start's breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
 ``record.py --hf-startup`` stamps them with the code hash.
 """
 
@@ -83,8 +85,11 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     row.update({name: round(value - compile_before[name], 2) for name, value in compile_totals().items()})
     if backend == "piecewise":
         stats = piecewise_backend.process_stats()
-        row.update(capture_s=round(stats["capture_seconds"], 2), backend_build_s=round(
-            sum(g.stats.build_seconds for g in piecewise_backend.compiled_graphs()), 2))
+        graphs = piecewise_backend.compiled_graphs()
+        row.update(capture_s=round(stats["capture_seconds"], 2),
+                   backend_build_s=round(sum(g.stats.build_seconds for g in graphs), 2),
+                   backend_inductor_s=round(sum(g.stats.inductor_seconds for g in graphs), 2),
+                   inductor_compiles=sum(g.stats.inductor_compiles for g in graphs))
     return row
 
 
@@ -120,13 +125,17 @@ def startup_row(args, key: str, cache: str) -> dict:
     with tempfile.TemporaryDirectory() as caches:
         cold = _child(args, key, cache, "piecewise", False, caches)
         warm = _child(args, key, cache, "piecewise", True, caches)
-    with tempfile.TemporaryDirectory() as caches:
-        inductor = _child(args, key, cache, "inductor", False, caches)
+    inductor = {"error": "not run (--skip-inductor)"}
+    if not args.skip_inductor:
+        with tempfile.TemporaryDirectory() as caches:
+            inductor = _child(args, key, cache, "inductor", False, caches)
     errors = {part: r["error"] for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)) if "error" in r}
     row.update(cold_s=cold.get("start_s"), warm_s=warm.get("start_s"), new_batch_s=warm.get("new_batch_s"),
                new_length_s=warm.get("new_length_s"), inductor_cold_s=inductor.get("start_s"),
                compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
-               backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"))
+               backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"),
+               backend_inductor_s_warm=warm.get("backend_inductor_s"), backend_inductor_s_cold=cold.get("backend_inductor_s"),
+               inductor_compiles=cold.get("inductor_compiles"))
     for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)):  # where each start's time went
         row.update({f"{name}_{part}": r.get(name)
                     for name in ("dynamo_frames", "dynamo_traces", "dynamo_compile_s", "backend_call_s")})
@@ -145,6 +154,8 @@ def main() -> None:
     parser.add_argument("--child-timeout", type=int, default=240)
     parser.add_argument("--specialize-float", action="store_true",
                         help="torch._dynamo.config.specialize_float=True in every start (Inductor's too)")
+    parser.add_argument("--skip-inductor", action="store_true",
+                        help="leave Inductor's cold start out (inductor_cold_s null; e.g. when it is known to time out)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # [key, cache, backend, after_start, specialize_float]
     args = parser.parse_args()
     if args.child:

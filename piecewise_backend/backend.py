@@ -5,7 +5,8 @@ Dynamo captures. :func:`build` runs five stages, each in a module of its own:
 
 1. **rewrite** (``decode/``): per-step ints read from a device tensor, so decode steps can be graphed;
 2. **split** (``splitting.py``): the graph cut at attention into compute and eager pieces;
-3. **compile** (``compiling.py``): each distinct compute piece compiled once with Inductor;
+3. **compile** (``compiling.py``): each distinct compute piece compiled once with Inductor (a piece
+   holding many layers, layer by layer: ``layer_chain.py``);
 4. **plan** (``plan.py``): shape keys, padding, staging and capture decisions, frozen;
 5. **wrap** (``runtime/``): a :class:`~piecewise_backend.runtime.compiled_graph.CompiledGraph` that
    runs the plan per call, capturing one CUDA graph per shape key lazily.
@@ -30,6 +31,7 @@ from .decode import kv_written_inputs, rewrite_decode
 from .decode.graph_attention import mark_attention_paths
 from .in_place_writes import written_in_place
 from .kinds import PieceKind
+from .op_names import GRAPH_ATTENTION_OP
 from .plan import GraphInputs, GraphPlan, graphs_disabled_reason, make_plan
 from .registry import register
 from .runtime.compiled_graph import CompiledGraph
@@ -65,7 +67,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     started = time.perf_counter()
     inputs = _rewrite(gm, example_inputs, config)
     split = _split(inputs, config)
-    compiler = PieceCompiler(inputs.fake_mode, split.step_symbols)
+    compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config))
     compute_names = {p.name for p in split.pieces if p.kind == PieceKind.COMPUTE}
     compiled, fake_outputs, node_values = compile_pieces(split.graph_module, compute_names, inputs.fake_inputs,
                                                          compiler)
@@ -77,6 +79,12 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph
+
+
+def _attention_ops(config: PiecewiseConfig) -> frozenset[str]:
+    """Where a compute piece that holds many layers is cut to compile each distinct layer once
+    (``layer_chain.py``): every attention op, split at or not (full mode splits at none)."""
+    return frozenset(config.splitting_ops) | frozenset(config.extra_splitting_ops) | {GRAPH_ATTENTION_OP}
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> GraphInputs:

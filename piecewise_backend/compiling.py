@@ -7,7 +7,9 @@ exactly the symbols it receives.
 The middle layers of a transformer produce pieces that differ only in which weights they read.
 Because Dynamo lifts weights to graph inputs, those pieces have the same code up to placeholder
 names; :func:`structural_key` ignores the names, so layer 2..N-1 reuse layer 1's compiled code
-(vLLM sees 3 distinct compiles for a 16-layer Llama: first, middle, last; so do we).
+(vLLM sees 3 distinct compiles for a 16-layer Llama: first, middle, last; so do we). A piece that
+holds many layers' attention (a decode step graphed whole) is compiled the same way, layer by layer,
+and runs as one callable (``layer_chain.py``).
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from typing import Any, Callable
 import torch
 import torch.fx
 
-from . import _torch_internals
+from . import _torch_internals, layer_chain
 from .graph_facts import value_symbols
+from .splitting import drop_unused_scalar_inputs
 
 
 @dataclasses.dataclass
@@ -87,9 +90,10 @@ def _sanitize_fake_arg(value, step_symbols: frozenset, fake_mode):
 class PieceCompiler:
     """Compiles pieces, reusing the compiled code of structurally identical ones."""
 
-    def __init__(self, fake_mode, step_symbols: frozenset):
+    def __init__(self, fake_mode, step_symbols: frozenset, attention_ops: frozenset = frozenset()):
         self.fake_mode = fake_mode
         self.step_symbols = step_symbols
+        self.attention_ops = attention_ops  # where a piece holding many layers is cut (layer_chain.py)
         self._by_key: dict[str, tuple[Callable, str, str | None]] = {}
         self.inductor_compiles = 0
         self.inductor_seconds = 0.0
@@ -102,12 +106,27 @@ class PieceCompiler:
         if key in self._by_key:
             fn, first, code = self._by_key[key]
             return CompiledPiece(fn, fake_args, key, first, code, eager=eager)
-        start = time.perf_counter()
-        fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
-        self.inductor_seconds += time.perf_counter() - start
-        self.inductor_compiles += 1
+        chain = layer_chain.split_at_attention(gm, self.attention_ops)
+        if chain is not None:
+            fn, code = self._compile_chain(name, *chain, fake_args)
+        else:
+            start = time.perf_counter()
+            fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
+            self.inductor_seconds += time.perf_counter() - start
+            self.inductor_compiles += 1
         self._by_key[key] = (fn, name, code)
         return CompiledPiece(fn, fake_args, key, name, code, eager=eager)
+
+    def _compile_chain(self, name: str, chain: torch.fx.GraphModule, compute: set[str],
+                       fake_args: list) -> tuple[Callable, str | None]:
+        """Compile a piece cut at its attention calls: its sub-pieces (``name.submod_N``) share compiled
+        code with each other as pieces do. Returns the chain as one callable and Inductor's code of
+        each distinct sub-piece."""
+        drop_unused_scalar_inputs(chain, compute, self.step_symbols)
+        pieces, _, _ = compile_pieces(chain, compute, fake_args, self, prefix=f"{name}.")
+        codes = {p.shared_with: p.inductor_code for p in pieces.values() if p.inductor_code}
+        code = "\n".join(f"# ---- {sub} ----\n{text}" for sub, text in codes.items()) or None
+        return layer_chain.install(chain, {sub: p.fn for sub, p in pieces.items()}), code
 
 
 class _FakeRun(torch.fx.Interpreter):
@@ -138,8 +157,8 @@ class _FakeRun(torch.fx.Interpreter):
 
 
 def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
-                   compiler: PieceCompiler) -> tuple[dict[str, CompiledPiece], dict[str, Any], dict]:
-    """Compile every compute piece of ``split_gm``.
+                   compiler: PieceCompiler, prefix: str = "") -> tuple[dict[str, CompiledPiece], dict[str, Any], dict]:
+    """Compile every compute piece of ``split_gm`` (``prefix``: before the names the compiler sees).
 
     Returns the compiled pieces and every piece's fake output, by submodule name, and the fake
     value of every node of the split graph.
@@ -147,7 +166,8 @@ def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake
     compiled: dict[str, CompiledPiece] = {}
 
     def on_compute(name, submod, fake_args, draws_random):
-        compiled[name] = dataclasses.replace(compiler.compile(name, submod, fake_args), draws_random=draws_random)
+        compiled[name] = dataclasses.replace(compiler.compile(prefix + name, submod, fake_args),
+                                             draws_random=draws_random)
 
     with _torch_internals.fake_propagation(compiler.fake_mode):
         run = _FakeRun(split_gm, compute_names, on_compute, compiler.fake_mode)

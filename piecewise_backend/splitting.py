@@ -240,7 +240,7 @@ def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writ
     return bad
 
 
-def _drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], steps: frozenset) -> None:
+def drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], steps: frozenset) -> None:
     """Remove per-step SymInt inputs a compute piece does not use.
 
     ``split_module`` hands a piece the symbols that appear in its inputs' metadata, e.g. ``pos``
@@ -309,7 +309,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
 
     split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     compute_pids = {pid for node, pid in part.items() if kinds[node] == COMPUTE}
-    _drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids}, steps)
+    drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids}, steps)
     members: dict[int, list] = {}
     for node, pid in part.items():
         members.setdefault(pid, []).append(node)

@@ -488,6 +488,7 @@ def test_hf_startup_times_the_recipes_start_and_the_first_calls_at_a_new_batch_a
     assert row["compiles_after_start"] == 0, row
     assert row["start_s"] > 0 and row["new_batch_s"] >= 0 and row["new_length_s"] >= 0
     assert row["backend_build_s"] > 0 and "capture_s" in row
+    assert 0 < row["backend_inductor_s"] <= row["backend_build_s"] and row["inductor_compiles"] >= 2, row
     # the breakdown: prefill and decode are Dynamo graphs of their own; the backend is part of their compile
     assert row["dynamo_frames"] >= 2 and row["dynamo_traces"] >= row["dynamo_frames"], row
     assert 0 < row["backend_call_s"] <= row["dynamo_compile_s"] <= row["start_s"] + row["new_batch_s"] + row["new_length_s"]

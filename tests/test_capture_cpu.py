@@ -7,6 +7,7 @@ that the caller sees its own batch size and eager's values, what is captured whe
 The same scenarios run with real graphs in test_cuda_capture.py.
 """
 
+import dataclasses
 import warnings
 
 import pytest
@@ -202,6 +203,22 @@ def test_full_mode_static_cache_is_one_piece_and_right_at_every_size():
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
         torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache)
         torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache)
+
+
+@pytest.mark.parametrize("layers, compiles", [(5, 3), (2, 1)])
+def test_a_deep_one_piece_step_compiles_each_distinct_layer_once_and_runs_as_one_graph(layers, compiles):
+    """A one-piece step of 5 layers (full mode) compiles its first, middle and last layers' code once
+    each (``layer_chain.py``), not all five layers, and still captures and replays as one graph; with
+    2 layers no sub-piece would be shared, so it compiles whole."""
+    cfg = dataclasses.replace(CFG, layers=layers)
+    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, cfg, {"mode": "full", "capture_sizes": [2, 4]})
+    with torch.no_grad():
+        results = decode_at_sizes(compiled, reference, (2, 3, 4), static_cache=True)
+    assert_results_close(results)
+    for graph in graphs_since(start):
+        assert graph.stats.num_pieces == 1 and graph.stats.inductor_compiles == compiles, graph.stats.summary()
+    graph = _main_graph(start)
+    assert graph.stats.replays > 0 and graph.stats.captures == len(graph.captured) == 2
 
 
 def test_full_mode_pads_a_graph_safe_model():

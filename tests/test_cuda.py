@@ -121,6 +121,22 @@ def test_sixteen_layers_capture_per_batch_size():
     assert sum(len(g.stats.captured_keys) for g in graphs) == 3  # batch sizes 2, 4, 8
 
 
+def test_a_sixteen_layer_decode_step_is_one_graph_of_three_compiles():
+    """The graph-safe decode step of 16 layers: one piece captured once per batch size, compiled
+    layer by layer (first, middle, last: ``layer_chain.py``), and eager's logits."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = init_weights_(ToyLlama(ToyConfig(layers=16, hidden=64, max_batch=8))).cuda().eval()
+    compiled = torch.compile(model, backend="piecewise", options={"defer_captures": False})
+    with torch.no_grad():
+        for batch in (2, 4, 2):
+            assert_close_steps(llama_decode(compiled, model, batch, 4, 5, device="cuda"),
+                               llama_decode(model, model, batch, 4, 5, device="cuda"), atol=2e-3, rtol=2e-3)
+    step = max(graphs_since(start), key=lambda g: g.stats.replays)
+    assert step.stats.num_pieces == 1 and step.stats.inductor_compiles == 3, step.stats.summary()
+    assert step.stats.captures == len(step.stats.captured_keys) and step.stats.replays > 0
+
+
 @torch.library.custom_op("pwtest::host_sync_scale", mutates_args=())
 def host_sync_scale(x: torch.Tensor) -> torch.Tensor:
     return x * float(x.abs().max().item() > -1)  # .item() syncs with the host: not capturable

@@ -42,11 +42,11 @@ import torch.nn.functional as F
 from .. import _torch_internals
 from .. import graph_facts as facts
 from ..attention_placement import grows_by_cat
-from ..op_names import canonical_op_name
+from ..op_names import GRAPH_ATTENTION_OP, canonical_op_name
 from .repeated_heads import repeated_heads
 
 
-@torch.library.custom_op("piecewise::prefix_attention", mutates_args=())
+@torch.library.custom_op(GRAPH_ATTENTION_OP, mutates_args=())
 def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
                      scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``
