@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import time
 from typing import Any, Callable
 
@@ -25,6 +26,8 @@ import torch.fx
 from . import _torch_internals, layer_chain
 from .graph_facts import value_symbols
 from .splitting import drop_unused_scalar_inputs
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -55,15 +58,17 @@ def _describe_target(target) -> str:
     return f"{module}.{name}" if module else str(name)
 
 
-def structural_key(gm: torch.fx.GraphModule, fake_args: list) -> str:
-    """A hash of the piece's code and input metadata that ignores node names."""
+def structural_key(gm: torch.fx.GraphModule, fake_args: list | None) -> str:
+    """A hash of the piece's code and input metadata that ignores node names (``fake_args`` None:
+    the metadata Dynamo traced, in the placeholders' ``example_value``)."""
     index: dict = {}
     lines = []
     placeholder_i = 0
     for i, node in enumerate(gm.graph.nodes):
         index[node] = i
         if node.op == "placeholder":
-            lines.append(f"ph {_describe_value(fake_args[placeholder_i])}")
+            value = fake_args[placeholder_i] if fake_args is not None else node.meta.get("example_value")
+            lines.append(f"ph {_describe_value(value)}")
             placeholder_i += 1
             continue
         if node.op == "get_attr":  # module state inside the piece: never share
@@ -106,10 +111,8 @@ class PieceCompiler:
         if key in self._by_key:
             fn, first, code = self._by_key[key]
             return CompiledPiece(fn, fake_args, key, first, code, eager=eager)
-        chain = layer_chain.split_at_attention(gm, self.attention_ops)
-        if chain is not None:
-            fn, code = self._compile_chain(name, *chain, fake_args)
-        else:
+        fn, code = self._compile_chain(name, gm, fake_args) if self.attention_ops else (None, None)
+        if fn is None:
             start = time.perf_counter()
             fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
             self.inductor_seconds += time.perf_counter() - start
@@ -117,13 +120,22 @@ class PieceCompiler:
         self._by_key[key] = (fn, name, code)
         return CompiledPiece(fn, fake_args, key, name, code, eager=eager)
 
-    def _compile_chain(self, name: str, chain: torch.fx.GraphModule, compute: set[str],
-                       fake_args: list) -> tuple[Callable, str | None]:
+    def _compile_chain(self, name: str, gm: torch.fx.GraphModule, fake_args: list) -> tuple[Callable | None, str | None]:
         """Compile a piece cut at its attention calls: its sub-pieces (``name.submod_N``) share compiled
         code with each other as pieces do. Returns the chain as one callable and Inductor's code of
-        each distinct sub-piece."""
-        drop_unused_scalar_inputs(chain, compute, self.step_symbols)
-        pieces, _, _ = compile_pieces(chain, compute, fake_args, self, prefix=f"{name}.")
+        each distinct sub-piece; (None, None) where cutting does not pay or fails (then the piece is
+        compiled whole, as it would be without this: a failure here costs compile time, nothing else)."""
+        try:
+            chain = layer_chain.split_at_attention(gm, self.attention_ops, lambda sub: structural_key(sub, None))
+            if chain is None:
+                return None, None
+            chain, compute = chain
+            drop_unused_scalar_inputs(chain, compute, self.step_symbols)
+            pieces, _, _ = compile_pieces(chain, compute, fake_args, self, prefix=f"{name}.")
+        except Exception as e:  # noqa: BLE001 - any failure: compile the piece whole instead
+            log.info("piecewise: piece %s compiled whole: compiling it layer by layer failed: %s: %s",
+                     name, type(e).__name__, e)
+            return None, None
         codes = {p.shared_with: p.inductor_code for p in pieces.values() if p.inductor_code}
         code = "\n".join(f"# ---- {sub} ----\n{text}" for sub, text in codes.items()) or None
         return layer_chain.install(chain, {sub: p.fn for sub, p in pieces.items()}), code

@@ -12,21 +12,26 @@ compiles once for all: three compiles at any depth, as for the prefill's pieces.
 callable, so the runner still captures the whole step as one CUDA graph, and nothing is lost to
 fusion: Inductor cannot fuse across an attention call (an extern kernel or a custom op) anyway.
 
-Only done when it pays: with 3 or more attention calls at least two middle sub-pieces share code.
+Only done when it pays: when the distinct sub-pieces hold at most half of the piece's ops (8
+layers: about a quarter; 4 layers: no cut). Should cutting fail, the piece is compiled whole.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
 from . import _torch_internals
+from . import graph_facts as facts
 from .kinds import PieceKind
 from .op_names import canonical_op_name
 from .piece_boundaries import keep_containers_in_their_piece
 
 MIN_ATTENTION_CALLS = 3  # fewer: first, middle and last sub-pieces all differ, so cutting saves nothing
+MAX_DISTINCT_SHARE = 0.5  # cut only if the distinct sub-pieces hold at most this share of the ops
 
 
 class _Compiled(torch.nn.Module):
@@ -44,14 +49,45 @@ def attention_calls(gm: torch.fx.GraphModule, attention_ops: frozenset[str]) -> 
     return [n for n in gm.graph.nodes if n.op == "call_function" and canonical_op_name(n.target) in attention_ops]
 
 
-def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str]
+def _bind_size_symbols(graph: torch.fx.Graph) -> None:
+    """A ``sym_size`` node, right after the inputs, for each symbol the inputs' sizes carry and no
+    node has as its value (a KV length the piece only knows as a dim of its cache).
+
+    ``split_module`` hands a sub-piece each symbol in the shapes it receives, but only symbols that
+    some node's value is (it raised ``KeyError`` for the others). Whole, Inductor reads such a
+    symbol from the input's size; a sub-piece that receives only a tensor derived from it cannot.
+    """
+    sym = _torch_internals.sym_expr
+    bound = {sym(v) for v in map(facts.example_value, graph.nodes) if isinstance(v, torch.SymInt)}
+    anchor = facts.placeholders(graph)[-1]
+    for ph in facts.placeholders(graph):
+        value = facts.example_value(ph)
+        for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            if not isinstance(size, torch.SymInt) or not sym(size).is_Symbol or sym(size) in bound:
+                continue
+            with graph.inserting_after(anchor):
+                anchor = graph.call_function(torch.ops.aten.sym_size.int, (ph, d))
+            anchor.meta["example_value"] = size
+            bound.add(sym(size))
+
+
+def _pays(chain: torch.fx.GraphModule, compute: set[str], code_key: Callable) -> bool:
+    """Do the distinct compute sub-pieces hold at most :data:`MAX_DISTINCT_SHARE` of their ops?"""
+    ops = {name: sum(n.op == "call_function" for n in getattr(chain, name).graph.nodes) for name in compute}
+    distinct = {code_key(getattr(chain, name)): ops[name] for name in compute}
+    return sum(distinct.values()) <= MAX_DISTINCT_SHARE * sum(ops.values())
+
+
+def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], code_key: Callable
                        ) -> tuple[torch.fx.GraphModule, set[str]] | None:
     """``gm`` (left as it is) cut before and after each attention call: the chain, and the names of
-    its compute sub-pieces. None when there are fewer than :data:`MIN_ATTENTION_CALLS` calls."""
+    its compute sub-pieces. None when cutting does not pay (``code_key``: a sub-piece's code, up to
+    names and input metadata) or there are fewer than :data:`MIN_ATTENTION_CALLS` calls."""
+    if len(attention_calls(gm, attention_ops)) < MIN_ATTENTION_CALLS:
+        return None
     gm = _torch_internals.copy_graph_module(gm)
     cuts = set(attention_calls(gm, attention_ops))
-    if len(cuts) < MIN_ATTENTION_CALLS:
-        return None
+    _bind_size_symbols(gm.graph)
     part, kinds, pid = {}, {}, 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -67,7 +103,7 @@ def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str]
     attention_parts = {part[n] for n in cuts}
     compute = {str(n.target) for n in chain.graph.nodes if n.op == "call_module"
                and int(str(n.target).rsplit("_", 1)[1]) not in attention_parts}
-    return chain, compute
+    return (chain, compute) if _pays(chain, compute, code_key) else None
 
 
 def install(chain: torch.fx.GraphModule, compiled: dict) -> torch.fx.GraphModule:

@@ -205,11 +205,11 @@ def test_full_mode_static_cache_is_one_piece_and_right_at_every_size():
         torch.testing.assert_close(mine.attn.v_cache, theirs.attn.v_cache)
 
 
-@pytest.mark.parametrize("layers, compiles", [(5, 3), (2, 1)])
+@pytest.mark.parametrize("layers, compiles", [(6, 3), (3, 1)])
 def test_a_deep_one_piece_step_compiles_each_distinct_layer_once_and_runs_as_one_graph(layers, compiles):
-    """A one-piece step of 5 layers (full mode) compiles its first, middle and last layers' code once
-    each (``layer_chain.py``), not all five layers, and still captures and replays as one graph; with
-    2 layers no sub-piece would be shared, so it compiles whole."""
+    """A one-piece step of 6 layers (full mode) compiles its first, middle and last layers' code once
+    each (``layer_chain.py``), not all six layers, and still captures and replays as one graph; with
+    3 layers the distinct sub-pieces would hold over half the ops, so it compiles whole."""
     cfg = dataclasses.replace(CFG, layers=layers)
     compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, cfg, {"mode": "full", "capture_sizes": [2, 4]})
     with torch.no_grad():
