@@ -481,6 +481,21 @@ def test_llama_generate_on_cuda_gives_eager_tokens(cache):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_eight_layer_decode_steps_on_cuda_compile_layer_by_layer_with_eager_tokens(cache, caplog):
+    """Mistral (a sliding window shorter than the text), 8 layers: where the decode step is one piece
+    it is compiled layer by layer (``layer_chain.py``), never falling back to a whole compile."""
+    torch._dynamo.reset()
+    start = last_serial()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    with caplog.at_level(logging.INFO, logger="piecewise_backend"):
+        _assert_same_tokens(_generate_both(_model("mistral", "cuda", 8, 256), (1, 3), 16, "cuda", **kwargs))
+    assert not [r.getMessage() for r in caplog.records if "layer by layer failed" in r.getMessage()]
+    decode = busiest_graph(start)
+    assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("arch", ["gpt2", "mistral", "qwen3", "phi3"])
 def test_other_architectures_on_cuda_give_eager_tokens(arch):
     for kwargs in ({}, {"cache_implementation": "static"}):
