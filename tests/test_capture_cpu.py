@@ -221,6 +221,22 @@ def test_a_deep_one_piece_step_compiles_each_distinct_layer_once_and_runs_as_one
     assert graph.stats.replays > 0 and graph.stats.captures == len(graph.captured) == 2
 
 
+def test_a_piece_that_cannot_be_cut_into_layers_is_compiled_whole_and_says_so(monkeypatch, caplog):
+    from piecewise_backend import layer_chain
+
+    def fails(*args, **kwargs):
+        raise KeyError("s86")  # what split_module raised on the H200 for a symbol no node binds
+
+    monkeypatch.setattr(layer_chain, "split_module", fails)
+    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, dataclasses.replace(CFG, layers=6),
+                                                        {"mode": "full", "capture_sizes": [2, 4]})
+    with torch.no_grad(), caplog.at_level("INFO", logger="piecewise_backend"):
+        results = decode_at_sizes(compiled, reference, (2, 3), static_cache=True)
+    assert_results_close(results)
+    assert all(g.stats.inductor_compiles == 1 for g in graphs_since(start))
+    assert any("compiled whole: compiling it layer by layer failed: KeyError" in r.getMessage() for r in caplog.records)
+
+
 def test_full_mode_pads_a_graph_safe_model():
     torch._dynamo.reset()
     start = last_serial()
