@@ -21,7 +21,8 @@ model is built (its weights' time left out):
 
 Rows ``{model, layers, cache, cold_s, warm_s, new_batch_s, new_length_s, inductor_cold_s, ...}``, with
 the backend's build time and its Inductor share (``backend_build_s_*``, ``backend_inductor_s_*``; the
-rest is its rewrite, split and fake run), its Inductor compiles at start-up, and each start's breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
+rest is its rewrite, split and fake run), its Inductor compiles at start-up, and each start's
+breakdown (``dynamo_frames_warm``, ``dynamo_compile_s_warm``, ``backend_call_s_warm``, ...);
 ``record.py --hf-startup`` stamps them with the code hash.
 """
 
