@@ -103,11 +103,13 @@ class PieceCompiler:
         self.inductor_compiles = 0
         self.inductor_seconds = 0.0
 
-    def compile(self, name: str, gm: torch.fx.GraphModule, fake_args: list) -> CompiledPiece:
+    def compile(self, name: str, gm: torch.fx.GraphModule, fake_args: list, keep_eager: bool = True) -> CompiledPiece:
+        """``keep_eager``: keep the piece's FX code to run should the compiled code raise (a
+        sub-piece of a chain needs none: its chain's piece keeps its own)."""
         fake_args = [_sanitize_fake_arg(a, self.step_symbols, self.fake_mode) for a in fake_args]
         key = structural_key(gm, fake_args)
         # the piece as Dynamo traced it, before Inductor's passes rewrite ``gm`` in place
-        eager = _torch_internals.generated_forward(_torch_internals.copy_graph_module(gm))
+        eager = _torch_internals.generated_forward(_torch_internals.copy_graph_module(gm)) if keep_eager else None
         if key in self._by_key:
             fn, first, code = self._by_key[key]
             return CompiledPiece(fn, fake_args, key, first, code, eager=eager)
@@ -129,16 +131,17 @@ class PieceCompiler:
             chain = layer_chain.split_at_attention(gm, self.attention_ops, lambda sub: structural_key(sub, None))
             if chain is None:
                 return None, None
-            chain, compute = chain
+            chain, compute, readers = chain
             drop_unused_scalar_inputs(chain, compute, self.step_symbols)
-            pieces, _, _ = compile_pieces(chain, compute, fake_args, self, prefix=f"{name}.")
+            chain_args = fake_args + layer_chain.read_symbols(fake_args, readers)
+            pieces, _, _ = compile_pieces(chain, compute, chain_args, self, prefix=f"{name}.", keep_eager=False)
         except Exception as e:  # noqa: BLE001 - any failure: compile the piece whole instead
             log.info("piecewise: piece %s compiled whole: compiling it layer by layer failed: %s: %s",
-                     name, type(e).__name__, e)
+                     name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
             return None, None
         codes = {p.shared_with: p.inductor_code for p in pieces.values() if p.inductor_code}
         code = "\n".join(f"# ---- {sub} ----\n{text}" for sub, text in codes.items()) or None
-        return layer_chain.install(chain, {sub: p.fn for sub, p in pieces.items()}), code
+        return layer_chain.install(chain, {sub: p.fn for sub, p in pieces.items()}, readers), code
 
 
 class _FakeRun(torch.fx.Interpreter):
@@ -169,8 +172,10 @@ class _FakeRun(torch.fx.Interpreter):
 
 
 def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
-                   compiler: PieceCompiler, prefix: str = "") -> tuple[dict[str, CompiledPiece], dict[str, Any], dict]:
-    """Compile every compute piece of ``split_gm`` (``prefix``: before the names the compiler sees).
+                   compiler: PieceCompiler, prefix: str = "", keep_eager: bool = True
+                   ) -> tuple[dict[str, CompiledPiece], dict[str, Any], dict]:
+    """Compile every compute piece of ``split_gm`` (``prefix``: before the names the compiler sees;
+    ``keep_eager``: as :meth:`PieceCompiler.compile`'s).
 
     Returns the compiled pieces and every piece's fake output, by submodule name, and the fake
     value of every node of the split graph.
@@ -178,7 +183,7 @@ def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake
     compiled: dict[str, CompiledPiece] = {}
 
     def on_compute(name, submod, fake_args, draws_random):
-        compiled[name] = dataclasses.replace(compiler.compile(prefix + name, submod, fake_args),
+        compiled[name] = dataclasses.replace(compiler.compile(prefix + name, submod, fake_args, keep_eager),
                                              draws_random=draws_random)
 
     with _torch_internals.fake_propagation(compiler.fake_mode):

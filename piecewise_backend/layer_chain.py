@@ -49,26 +49,44 @@ def attention_calls(gm: torch.fx.GraphModule, attention_ops: frozenset[str]) -> 
     return [n for n in gm.graph.nodes if n.op == "call_function" and canonical_op_name(n.target) in attention_ops]
 
 
-def _bind_size_symbols(graph: torch.fx.Graph) -> None:
-    """A ``sym_size`` node, right after the inputs, for each symbol the inputs' sizes carry and no
-    node has as its value (a KV length the piece only knows as a dim of its cache).
+SymbolReader = tuple[int, str, int | None]  # (input index, "size" | "stride" | "storage_offset", dim)
 
-    ``split_module`` hands a sub-piece each symbol in the shapes it receives, but only symbols that
-    some node's value is (it raised ``KeyError`` for the others). Whole, Inductor reads such a
-    symbol from the input's size; a sub-piece that receives only a tensor derived from it cannot.
+
+def _lift_input_symbols(graph: torch.fx.Graph) -> list[SymbolReader]:
+    """Make each symbol of the inputs' sizes, strides and storage offsets that no node has as its
+    value an input of its own (after the others); returns where each is read from the piece's inputs.
+
+    ``split_module`` hands a sub-piece each symbol free in the values it receives, but only symbols
+    some node's value is (else ``KeyError``), and the split drops a piece's scalar inputs that no node
+    reads: a KV length the piece only knows as a dim of its cache, or a sliding-window cache view's
+    storage offset (transformers 5.17's Mistral on the H200: ``KeyError: s86``). An input, not a
+    ``sym_size`` node: ``split_module`` makes the partition holding such a node depend on itself
+    through the very input it reads (a cycle).
     """
     sym = _torch_internals.sym_expr
     bound = {sym(v) for v in map(facts.example_value, graph.nodes) if isinstance(v, torch.SymInt)}
-    anchor = facts.placeholders(graph)[-1]
-    for ph in facts.placeholders(graph):
-        value = facts.example_value(ph)
-        for d, size in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
-            if not isinstance(size, torch.SymInt) or not sym(size).is_Symbol or sym(size) in bound:
+    inputs = facts.placeholders(graph)
+    last, readers = inputs[-1], []
+    for i, node in enumerate(inputs):
+        value = facts.example_value(node)
+        if not isinstance(value, torch.Tensor):
+            continue
+        for what, dim, symbol in [*(("size", d, s) for d, s in enumerate(value.shape)),
+                                  *(("stride", d, s) for d, s in enumerate(value.stride())),
+                                  ("storage_offset", None, value.storage_offset())]:
+            if not isinstance(symbol, torch.SymInt) or not sym(symbol).is_Symbol or sym(symbol) in bound:
                 continue
-            with graph.inserting_after(anchor):
-                anchor = graph.call_function(torch.ops.aten.sym_size.int, (ph, d))
-            anchor.meta["example_value"] = size
-            bound.add(sym(size))
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"{node.name}_{what}{'' if dim is None else dim}")
+            last.meta["example_value"] = symbol
+            bound.add(sym(symbol))
+            readers.append((i, what, dim))
+    return readers
+
+
+def read_symbols(args, readers: list[SymbolReader]) -> list:
+    """The values of the lifted symbols (:func:`_lift_input_symbols`) in the piece's inputs ``args``."""
+    return [getattr(args[i], what)() if dim is None else getattr(args[i], what)(dim) for i, what, dim in readers]
 
 
 def _pays(chain: torch.fx.GraphModule, compute: set[str], code_key: Callable) -> bool:
@@ -79,15 +97,16 @@ def _pays(chain: torch.fx.GraphModule, compute: set[str], code_key: Callable) ->
 
 
 def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], code_key: Callable
-                       ) -> tuple[torch.fx.GraphModule, set[str]] | None:
-    """``gm`` (left as it is) cut before and after each attention call: the chain, and the names of
-    its compute sub-pieces. None when cutting does not pay (``code_key``: a sub-piece's code, up to
-    names and input metadata) or there are fewer than :data:`MIN_ATTENTION_CALLS` calls."""
+                       ) -> tuple[torch.fx.GraphModule, set[str], list[SymbolReader]] | None:
+    """``gm`` (left as it is) cut before and after each attention call: the chain, the names of its
+    compute sub-pieces, and the symbols it takes after ``gm``'s inputs (:func:`read_symbols`). None
+    when cutting does not pay (``code_key``: a sub-piece's code, up to names and input metadata) or
+    there are fewer than :data:`MIN_ATTENTION_CALLS` calls."""
     if len(attention_calls(gm, attention_ops)) < MIN_ATTENTION_CALLS:
         return None
     gm = _torch_internals.copy_graph_module(gm)
     cuts = set(attention_calls(gm, attention_ops))
-    _bind_size_symbols(gm.graph)
+    readers = _lift_input_symbols(gm.graph)
     part, kinds, pid = {}, {}, 0
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "output"):
@@ -103,12 +122,25 @@ def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], 
     attention_parts = {part[n] for n in cuts}
     compute = {str(n.target) for n in chain.graph.nodes if n.op == "call_module"
                and int(str(n.target).rsplit("_", 1)[1]) not in attention_parts}
-    return (chain, compute) if _pays(chain, compute, code_key) else None
+    return (chain, compute, readers) if _pays(chain, compute, code_key) else None
 
 
-def install(chain: torch.fx.GraphModule, compiled: dict) -> torch.fx.GraphModule:
-    """``chain`` with each compute sub-piece replaced by its compiled callable (``compiled``: name ->
-    callable); the attention sub-pieces stay FX code, which runs their one op."""
+class _Chain(torch.nn.Module):
+    """The chain, handed the lifted symbols' values (:func:`read_symbols`) after the piece's inputs."""
+
+    def __init__(self, chain: torch.fx.GraphModule, readers: list[SymbolReader]):
+        super().__init__()
+        self.chain = chain
+        self.readers = readers
+
+    def forward(self, *args):
+        return self.chain(*args, *read_symbols(args, self.readers))
+
+
+def install(chain: torch.fx.GraphModule, compiled: dict, readers: list[SymbolReader]) -> torch.nn.Module:
+    """The piece's callable: ``chain`` with each compute sub-piece replaced by its compiled callable
+    (``compiled``: name -> callable; the attention sub-pieces stay FX code, which runs their one op),
+    fed the lifted symbols where there are any."""
     for name, fn in compiled.items():
         setattr(chain, name, _Compiled(fn))
-    return chain
+    return _Chain(chain, readers) if readers else chain

@@ -541,3 +541,13 @@ def test_dynamo_entry_benchmark_times_each_guard_filter():
     variants = [r["variant"] for r in rows]
     assert variants[0] == "guards" and variants[-1] == "set_stance(skip_guard_eval_unsafe=True)" and len(rows) >= 3
     assert all(r["entry_us"] > 0 for r in rows), rows
+
+
+def test_profile_build_profiles_the_backends_build_only():
+    """``profile_build.py`` on CPU (graphs emulated, as on CUDA): the build's total and Inductor share,
+    then the backend's own functions by cumulative time."""
+    pytest.importorskip("transformers")
+    out = _run_script(["profile_build.py", "--model", "tiny", "--cache", "static", "--device", "cpu", "--top", "6"])
+    head = out.splitlines()[0]
+    assert head.startswith("generate ") and "Inductor" in head and "compiles" in head, out[:500]
+    assert "piecewise_backend/backend.py" in out and "(build)" in out, out[:3000]

@@ -1,5 +1,6 @@
 """Where the graph splits, and what runs eagerly — checked on the Dynamo graphs of the toy models."""
 
+import pytest
 import torch
 
 from piecewise_backend.splitting import COMPUTE, EAGER, SPLIT
@@ -109,3 +110,47 @@ def test_python_ints_only_returned_do_not_cut_the_compute():
         want_y, want_counts = model(x, t)
         torch.testing.assert_close(y, want_y)
         assert list(counts) == want_counts
+
+
+
+@pytest.mark.parametrize("unread", ["storage_offset", "size"])
+def test_cutting_a_piece_at_attention_lifts_an_input_symbol_no_node_holds(unread):
+    """A piece's input whose storage offset (or size) is a symbol the piece no longer receives (the
+    split drops scalar inputs no node reads): cut layer by layer, the chain takes that symbol as an
+    input of its own, read from the tensor. On the H200 (transformers 5.17, a sliding-window cache
+    view) ``split_module`` raised ``KeyError: s86``; a ``sym_size`` node instead made a cycle."""
+    from piecewise_backend import layer_chain
+    from piecewise_backend.compiling import structural_key
+
+    graphs = []
+
+    def grab(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def layers(x, w):
+        h = x
+        for _ in range(6):
+            q = (h @ w).unsqueeze(0)
+            h = torch.nn.functional.scaled_dot_product_attention(q, q, q).squeeze(0).relu() + h
+        return h
+
+    base, w = torch.randn(64, 8), torch.randn(8, 8)
+    compiled = torch.compile(layers, backend=grab, dynamic=True)
+    compiled(base[1:9], w)
+    compiled(base[3:11], w)  # a new offset: Dynamo recompiles with the offset a symbol
+    gm = graphs[-1]
+    x = next(n for n in gm.graph.nodes if n.name == "l_x_").meta["example_value"]
+    dropped = str(x.storage_offset() if unread == "storage_offset" else x.shape[0])
+    for node in [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.meta["example_value"]) == dropped]:
+        gm.graph.erase_node(node)  # what the split leaves a piece that does not read the symbol
+    gm.recompile()
+    cut = layer_chain.split_at_attention(gm, frozenset({"aten::scaled_dot_product_attention"}),
+                                         lambda sub: structural_key(sub, None))
+    assert cut is not None
+    chain, compute, readers = cut
+    assert len(compute) == 7 and [what for _, what, _ in readers] == [unread]
+    real = {"l_x_": base[5:13], "l_w_": w}  # a third offset
+    rest = 8 if unread == "storage_offset" else base[5:13].storage_offset()  # the symbol left: a size, or the offset
+    args = [real.get(n.name, rest) for n in gm.graph.nodes if n.op == "placeholder"]
+    torch.testing.assert_close(layer_chain.install(chain, {}, readers)(*args)[0], layers(base[5:13], w))
