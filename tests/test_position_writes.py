@@ -52,6 +52,19 @@ def test_writes_move_into_compute_pieces(padded_decode):
     assert PLACEHOLDER in {n.name for n in graph.split.graph_module.graph.nodes if n.op == "placeholder"}
 
 
+def test_every_layers_writes_share_one_set_of_index_tensors(padded_decode):
+    """The rows and the mask every KV write addresses are built once for the graph, not per write:
+    per write, they were four tiny kernels per layer on the H200 (``graph_edit.SharedNodes``)."""
+    import operator
+
+    graph = _decode_graph(padded_decode[2])
+    nodes = list(graph.plan.inputs.graph_module.graph.nodes)
+    writes = [n for n in nodes if n.target == "index_put_"]
+    masks = [n for n in nodes if n.target is operator.ne]
+    assert len(writes) == 2 * CFG.layers  # the k and v caches, all of one shape
+    assert len({n.args[1] for n in writes}) == 1 and len(masks) == 1, [n.args[1] for n in writes]
+
+
 def test_padded_decode_matches_eager_and_leaves_the_cache_as_eager_does(padded_decode):
     compiled, reference, start, results = padded_decode
     assert_results_close(results)

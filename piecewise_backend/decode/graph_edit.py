@@ -16,6 +16,7 @@ import torch
 import torch.fx
 
 from .. import _torch_internals
+from .._torch_internals import sym_expr
 from .. import graph_facts as facts
 from .step_scalars import ENABLE
 
@@ -71,11 +72,63 @@ def slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, place
     return tuple(dims) if step_dims == 1 and None not in dims else None
 
 
-class Builder:
-    """Appends nodes before ``anchor``, each with its fake value (the split pass reads them)."""
+class SharedNodes:
+    """Nodes built once per graph and reused by every later site that would build the same one.
 
-    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode):
-        self.graph, self.anchor, self.fake_mode = graph, anchor, fake_mode
+    Every layer's KV writes address the same rows at the same position: built per write, the index
+    tensors (``arange``, ``+ pos``, the mask) became four tiny kernels per layer on the H200 (a
+    16-layer decode step: 60 of its 343 launches; the one-graph limit has 244), which Inductor
+    cannot merge across layers, let alone across the pieces of a layer chain. Built once, they are
+    computed once per step and handed to the layers as inputs.
+
+    A node is reused only by a site after the one it was built for (``position``: the graph's order
+    before the rewrite), so it is always defined before its uses.
+    """
+
+    def __init__(self, graph: torch.fx.Graph):
+        self.position = {node: i for i, node in enumerate(graph.nodes)}
+        self._built: dict = {}  # (op, target, args, kwargs) -> (node, position of the site it was built for)
+
+    def get(self, key, anchor: torch.fx.Node) -> torch.fx.Node | None:
+        found = self._built.get(key)
+        return found[0] if found is not None and found[1] <= self.position[anchor] else None
+
+    def put(self, key, anchor: torch.fx.Node, node: torch.fx.Node) -> None:
+        self._built.setdefault(key, (node, self.position[anchor]))
+
+
+def _key(op: str, target, args: tuple, kwargs: dict):
+    """A hashable key of a node to build, or None (a symbolic size: SymInts do not hash)."""
+    def frozen(a):
+        return tuple(map(frozen, a)) if isinstance(a, (list, tuple)) else a
+    key = (op, target, frozen(args), tuple(sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+class Builder:
+    """Appends nodes before ``anchor``, each with its fake value (the split pass reads them);
+    :meth:`once` reuses a node ``shared`` already holds."""
+
+    def __init__(self, graph: torch.fx.Graph, anchor: torch.fx.Node, fake_mode, shared: SharedNodes | None = None):
+        self.graph, self.anchor, self.fake_mode, self.shared = graph, anchor, fake_mode, shared
+
+    def once(self, op: str, target, *args, **kwargs) -> torch.fx.Node:
+        """Like calling the builder, but a node an earlier site built with the same inputs is reused."""
+        return self.once_as(_key(op, target, args, kwargs), op, target, *args, **kwargs)
+
+    def once_as(self, key, op: str, target, *args, **kwargs) -> torch.fx.Node:
+        """:meth:`once` under ``key`` (None: always build)."""
+        if self.shared is None or key is None:
+            return self(op, target, *args, **kwargs)
+        node = self.shared.get(key, self.anchor)
+        if node is None:
+            node = self(op, target, *args, **kwargs)
+            self.shared.put(key, self.anchor, node)
+        return node
 
     def __call__(self, op: str, target, *args, **kwargs) -> torch.fx.Node:
         with self.graph.inserting_before(self.anchor):
@@ -95,27 +148,27 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
     mask of those a write may change: enabled, and within the caller's rows."""
     buffer_value = facts.example_value(site.buffer)
     device, ndim = buffer_value.device, buffer_value.dim()
-    mask = add("call_function", operator.ne, add("call_function", operator.getitem, scalars, ENABLE), 0) \
+    mask = add.once("call_function", operator.ne, add.once("call_function", operator.getitem, scalars, ENABLE), 0) \
         if masked else None
     out, last = [], len(site.dims) - 1
     for d, dim in enumerate(site.dims):
         shape = [1] * (last + 1)
         shape[d] = -1
         if dim[0] == Dim.INDEX:  # index_copy_'s own index tensor
-            out.append(add("call_method", "view", dim[1], shape))
+            out.append(add.once("call_method", "view", dim[1], shape))
             continue
         size = dim[1] if dim[0] != Dim.STEP else dim[2]
         if dim[0] == Dim.FULL and not isinstance(size, int):  # a dynamic full dim: its size read from the buffer
-            size = add("call_method", "size", site.buffer, d)
-        rows = add("call_function", torch.arange, size, device=device)
+            size = add.once_as(("size", sym_expr(size)), "call_method", "size", site.buffer, d)  # any buffer's
+        rows = add.once("call_function", torch.arange, size, device=device)
         if dim[0] == Dim.STEP:
-            start = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
-            rows = add("call_function", operator.add, rows, start)
+            start = add.once("call_function", operator.getitem, scalars, slot_of[dim[1]])
+            rows = add.once("call_function", operator.add, rows, start)
         elif dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node) and masked:
-            limit = add("call_function", operator.getitem, scalars, slot_of[dim[1]])
-            keep = add("call_function", operator.lt, rows, limit)
+            limit = add.once("call_function", operator.getitem, scalars, slot_of[dim[1]])
+            keep = add.once("call_function", operator.lt, rows, limit)
             full_shape = [1] * ndim
             full_shape[d] = -1
-            mask = add("call_function", operator.and_, mask, add("call_method", "view", keep, full_shape))
-        out.append(add("call_method", "view", rows, shape))
+            mask = add.once("call_function", operator.and_, mask, add.once("call_method", "view", keep, full_shape))
+        out.append(add.once("call_method", "view", rows, shape))
     return tuple(out), mask

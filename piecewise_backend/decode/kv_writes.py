@@ -44,7 +44,7 @@ import torch.fx
 
 from .. import graph_facts as facts
 from .._torch_internals import sym_expr
-from .graph_edit import Builder, Dim, Site, indices, slice_dim, slice_dims
+from .graph_edit import Builder, Dim, SharedNodes, Site, indices, slice_dim, slice_dims
 
 
 def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset,
@@ -131,13 +131,15 @@ def kv_written_inputs(graph: torch.fx.Graph, steps: frozenset) -> frozenset[str]
     return frozenset(site.buffer.name for site in find_kv_writes(graph, placeholders, steps))
 
 
-def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
-    """Rewrite one write; returns its gather and its put, each with the (buffer, dim) pairs it reads or
-    writes by batch row (its prefix dims that stop at a graph value: ``cache[:B]``)."""
+def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes | None = None
+                     ) -> dict:
+    """Rewrite one write (its index tensors reused from ``shared``); returns its gather and its put,
+    each with the (buffer, dim) pairs it reads or writes by batch row (its prefix dims that stop at
+    a graph value: ``cache[:B]``)."""
     graph = site.node.graph
     buffer_value = facts.example_value(site.buffer)
     value = site.value
-    add = Builder(graph, site.node, fake_mode)
+    add = Builder(graph, site.node, fake_mode, shared)
     where, mask = indices(site, scalars, slot_of, add, masked=True)
     old = add("call_function", operator.getitem, site.buffer, where)
     if facts.example_value(value).dtype != buffer_value.dtype:

@@ -28,7 +28,7 @@ import torch.fx
 from .. import _torch_internals
 from .. import graph_facts as facts
 from .graph_attention import AttentionSite, find_attention_sites, rewrite_attention
-from .graph_edit import Builder, Dim, Site
+from .graph_edit import Builder, Dim, SharedNodes, Site
 from .kv_writes import find_kv_writes, rewrite_kv_write
 from .prefix_views import find_prefix_views, rewrite_prefix_view
 from .rope_reads import find_reads, rewrite_read
@@ -99,10 +99,11 @@ def _add_scalars_input(graph: torch.fx.Graph, scalars: StepScalars, fake_mode) -
 def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
     """Rewrite every site; returns the row access of the nodes built (see :class:`Rewrite`)."""
     row_access = {}
+    shared = SharedNodes(graph)  # the writes' and reads' index tensors, built once for every layer
     for site in sites.writes:
-        row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode))
+        row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode, shared))
     for site in sites.reads:
-        rewrite_read(site, scalars, slot_of, fake_mode)
+        rewrite_read(site, scalars, slot_of, fake_mode, shared)
     for site in sites.ranges:
         rewrite_step_range(site, scalars, slot_of, fake_mode)
     lengths: dict = {}  # (position, constant) -> its node, built once before the first attention reading it

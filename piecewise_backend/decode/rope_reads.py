@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from .. import graph_facts as facts
-from .graph_edit import Builder, Site, indices, slice_dims
+from .graph_edit import Builder, SharedNodes, Site, indices, slice_dims
 
 
 def find_reads(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset) -> list[Site]:
@@ -39,8 +39,9 @@ def find_reads(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset)
     return sites
 
 
-def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> None:
-    add = Builder(site.node.graph, site.node, fake_mode)
+def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes | None = None
+                 ) -> None:
+    add = Builder(site.node.graph, site.node, fake_mode, shared)
     where, _ = indices(site, scalars, slot_of, add, masked=False)
     site.node.replace_all_uses_with(add("call_function", operator.getitem, site.buffer, where))
     site.node.graph.erase_node(site.node)
