@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
     parser.add_argument("--hf", help="hf_generate.py's JSON")
     parser.add_argument("--kernel", help="attention_kernel.py's JSON")
+    parser.add_argument("--graph-kernels", help="graph_kernels.py's JSON (replaces the key's rows)")
     parser.add_argument("--threads", help="threads.py's JSON")
     parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
     parser.add_argument("--entry", help="dynamo_entry.py's JSON")
@@ -157,6 +158,9 @@ def main() -> None:
         result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:
         result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
+    if args.graph_kernels:
+        rows = json.loads(pathlib.Path(args.graph_kernels).read_text())
+        result["graph_kernels"] = [{**row, "code_hash": digest} for row in rows]
     if args.capture:
         capture = json.loads(pathlib.Path(args.capture).read_text())
         for key in ("capture", "memory"):

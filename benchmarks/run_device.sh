@@ -14,6 +14,7 @@
 #   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
 #   bash benchmarks/run_device.sh hf [ARGS...]      # hf_generate.py ARGS: transformers generate() ms/token
 #   bash benchmarks/run_device.sh kernel            # attention_kernel.py: the decode attention kernel vs SDPA
+#   bash benchmarks/run_device.sh graph-kernels [ARGS...]  # graph_kernels.py ARGS: a step's kernels vs the limit's
 #   bash benchmarks/run_device.sh threads [ARGS...] # threads.py ARGS: captures beside other threads, concurrent callers
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh serving [ARGS...] # serving.py ARGS: the serving engine, per variant and start
@@ -111,7 +112,11 @@ case "$part" in
   kernel)
     (cd benchmarks && python attention_kernel.py --json "$OUT/kernel.json") 2>&1 | grep -v Warning | tee "$OUT/kernel.log"
     record --kernel "$OUT/kernel.json" ;;
+  graph-kernels)
+    (cd benchmarks && timeout "${SUITE_TIMEOUT:-540}" python graph_kernels.py --json "$OUT/graph_kernels.json" "$@") \
+      2>&1 | grep -v Warning | tee "$OUT/graph_kernels.log"
+    record --graph-kernels "$OUT/graph_kernels.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, hf-startup, kernel, threads or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads or ab" >&2; exit 2 ;;
 esac

@@ -335,6 +335,20 @@ def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
     assert row["specialize_float"] is False  # a row from before the option: torch's default
 
 
+def test_record_stamps_the_graph_kernels_rows(tmp_path):
+    """``record.py --graph-kernels``: ``graph_kernels.py``'s rows, each stamped with the code hash."""
+    import json
+
+    kernels = tmp_path / "graph_kernels.json"
+    kernels.write_text(json.dumps([{"model": "16L-whole-cache", "batch": 8, "limit": {"k": [1.0, 2.0]},
+                                    "piecewise": {"k": [1.0, 2.5]}}]))
+    out = tmp_path / "h200.json"
+    _run_script(["record.py", "--graph-kernels", str(kernels), "--previous", str(tmp_path / "none.json"),
+                 "--out", str(out)])
+    (row,) = json.loads(out.read_text())["graph_kernels"]
+    assert row["piecewise"] == {"k": [1.0, 2.5]} and len(row["code_hash"]) == 64
+
+
 def test_rows_say_what_shared_their_process_and_its_limit():
     args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
     rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
