@@ -346,6 +346,12 @@ def format_graph_code(title: str, gm: torch.fx.GraphModule):
     return torch._dynamo.utils.lazy_format_graph_code(title, gm)
 
 
+def split_partition(call: torch.fx.Node) -> int:
+    """The partition number of a submodule call in ``split_module``'s output: it names partition N's
+    submodule ``submod_N`` (checked on torch 2.11 and 2.13)."""
+    return int(str(call.target).rsplit("_", 1)[1])
+
+
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A graph module over a copy of ``gm``'s graph (nodes keep their meta, and the graph keeps
     Dynamo's codegen, which flattens the inputs as Dynamo calls them: ``graph._codegen``)."""

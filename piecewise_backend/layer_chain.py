@@ -121,7 +121,7 @@ def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], 
     chain = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     attention_parts = {part[n] for n in cuts}
     compute = {str(n.target) for n in chain.graph.nodes if n.op == "call_module"
-               and int(str(n.target).rsplit("_", 1)[1]) not in attention_parts}
+               and _torch_internals.split_partition(n) not in attention_parts}
     return (chain, compute, readers) if _pays(chain, compute, code_key) else None
 
 

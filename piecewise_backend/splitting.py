@@ -31,6 +31,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
+from . import _torch_internals
 from . import graph_facts as facts
 from .attention_placement import beside_attention, is_fixed_shape_attention
 from .in_place_writes import graph_safe_writes, only_whole_writes
@@ -316,7 +317,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
     roots = facts.alias_roots(graph)
     pieces = []
     for index, node in enumerate(n for n in split_gm.graph.nodes if n.op == "call_module"):
-        pid = int(str(node.target).rsplit("_", 1)[1])
+        pid = _torch_internals.split_partition(node)
         group = members[pid]
         split_ops = tuple(display_name(n) for n in group if kinds[n] == SPLIT)
         kind = SPLIT if split_ops else (EAGER if kinds[group[0]] == EAGER else COMPUTE)
