@@ -112,7 +112,6 @@ def test_python_ints_only_returned_do_not_cut_the_compute():
         assert list(counts) == want_counts
 
 
-
 @pytest.mark.parametrize("unread", ["storage_offset", "size"])
 def test_cutting_a_piece_at_attention_lifts_an_input_symbol_no_node_holds(unread):
     """A piece's input whose storage offset (or size) is a symbol the piece no longer receives (the

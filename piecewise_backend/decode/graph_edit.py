@@ -73,7 +73,8 @@ def slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, place
 
 
 class SharedNodes:
-    """Nodes built once per graph and reused by every later site that would build the same one.
+    """Nodes built once per graph and reused by every later site that would build the same one (the
+    KV writes' and reads' index tensors, the attention's KV length).
 
     Every layer's KV writes address the same rows at the same position: built per write, the index
     tensors (``arange``, ``+ pos``, the mask) became four tiny kernels per layer on the H200 (a

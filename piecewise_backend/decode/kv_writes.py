@@ -131,7 +131,7 @@ def kv_written_inputs(graph: torch.fx.Graph, steps: frozenset) -> frozenset[str]
     return frozenset(site.buffer.name for site in find_kv_writes(graph, placeholders, steps))
 
 
-def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes | None = None
+def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes
                      ) -> dict:
     """Rewrite one write (its index tensors reused from ``shared``); returns its gather and its put,
     each with the (buffer, dim) pairs it reads or writes by batch row (its prefix dims that stop at

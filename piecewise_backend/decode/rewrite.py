@@ -99,21 +99,19 @@ def _add_scalars_input(graph: torch.fx.Graph, scalars: StepScalars, fake_mode) -
 def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
     """Rewrite every site; returns the row access of the nodes built (see :class:`Rewrite`)."""
     row_access = {}
-    shared = SharedNodes(graph)  # the writes' and reads' index tensors, built once for every layer
+    shared = SharedNodes(graph)  # index tensors and lengths, built once for every layer
     for site in sites.writes:
         row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode, shared))
     for site in sites.reads:
         rewrite_read(site, scalars, slot_of, fake_mode, shared)
     for site in sites.ranges:
         rewrite_step_range(site, scalars, slot_of, fake_mode)
-    lengths: dict = {}  # (position, constant) -> its node, built once before the first attention reading it
     for site in sites.attention:
-        add = Builder(graph, site.node, fake_mode)
-        if site.length not in lengths:  # one node for every layer (Inductor kept 16 adds as 16 kernels)
-            position, constant = site.length
-            length = add("call_function", operator.getitem, scalars, slot_of[position])
-            lengths[site.length] = add("call_function", operator.add, length, constant) if constant else length
-        attention = rewrite_attention(site, lengths[site.length], add)
+        add = Builder(graph, site.node, fake_mode, shared)
+        position, constant = site.length  # one length node for every layer (Inductor kept 16 adds as 16 kernels)
+        length = add.once("call_function", operator.getitem, scalars, slot_of[position])
+        attention = rewrite_attention(site, add.once("call_function", operator.add, length, constant) if constant
+                                      else length, add)
         row_access[attention] = tuple((buffer, 0) for buffer in site.buffers) + (  # it reads ``cache[:B]``
             ((site.mask, 0),) if site.mask is not None and facts.example_value(site.mask).shape[0] != 1 else ())
     return row_access

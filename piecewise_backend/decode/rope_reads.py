@@ -39,7 +39,7 @@ def find_reads(graph: torch.fx.Graph, static_inputs: set[str], steps: frozenset)
     return sites
 
 
-def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes | None = None
+def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes
                  ) -> None:
     add = Builder(site.node.graph, site.node, fake_mode, shared)
     where, _ = indices(site, scalars, slot_of, add, masked=False)
