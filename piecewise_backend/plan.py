@@ -62,8 +62,9 @@ class GraphInputs:
 
     @property
     def masked_buffers(self) -> frozenset:
-        """Buffers whose writes moved into compute pieces, masked to the caller's rows: padding and
-        repeated runs (warm-up) leave them as one real call would."""
+        """Buffers whose writes moved into compute pieces, masked to the caller's rows (or unmasked in a
+        graph of fixed sizes, which is never padded): padding and repeated runs (warm-up) leave them
+        as one real call would."""
         return self.rewrite.buffers if self.rewrite is not None else frozenset()
 
     @staticmethod

@@ -59,6 +59,21 @@ def test_whole_cache_llama_matches_eager(device, graph_attention, emulated_graph
         assert kinds == [PieceKind.COMPUTE], graph.stats.summary()
     else:
         assert kinds.count(PieceKind.SPLIT) == CFG.layers and "cuDNN attention off" in graph.stats.eager_sdpa
+    _assert_writes_unmasked(graph)
+
+
+def _assert_writes_unmasked(graph):
+    """Caches of fixed sizes (no dynamic batch): the KV writes put the new values as they are, no
+    mask and no gather of the old ones (one kernel per write instead of two on a GPU), and nothing
+    may run the graph with its writes turned off."""
+    nodes = list(graph.plan.inputs.graph_module.graph.nodes)
+    puts = [n for n in nodes if n.target == "index_put_"]
+    assert len(puts) == 2 * CFG.layers, [n.format_node() for n in puts]
+    assert not [n for n in nodes if n.target is torch.where], "a masked write in a graph of fixed sizes"
+    assert not any(n.args[2].target is torch.where for n in puts)
+    with pytest.raises(RuntimeError, match="unmasked.*fixed sizes.*lazily"):
+        with graph.step_scalars.writes_disabled():
+            pass
 
 
 class BroadcastingWrite(nn.Module):

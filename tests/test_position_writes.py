@@ -63,6 +63,7 @@ def test_every_layers_writes_share_one_set_of_index_tensors(padded_decode):
     masks = [n for n in nodes if n.target is operator.ne]
     assert len(writes) == 2 * CFG.layers  # the k and v caches, all of one shape
     assert len({n.args[1] for n in writes}) == 1 and len(masks) == 1, [n.args[1] for n in writes]
+    assert graph.step_scalars.writes_masked  # a dynamic batch: padded and captured up front, so masked
 
 
 def test_padded_decode_matches_eager_and_leaves_the_cache_as_eager_does(padded_decode):

@@ -21,6 +21,13 @@ The mask keeps the rewrite exactly as safe as the eager write:
 * positions are checked on the host against the buffer's size before anything runs, with an
   error that says which write and why (a device-side index error would kill the CUDA context).
 
+A graph whose tensors all have fixed sizes (no dynamic batch: nothing is padded, nothing is
+captured up front, every run is a real call's) writes *unmasked*, ``cache.index_put_(indices, k)``:
+the write is then idempotent like the eager one, and it costs one kernel fused with the one that
+made ``k``, where the masked form costs two (Inductor computes values that read the buffer they are
+written to in a kernel of their own, then scatters them; seen on the H200, torch 2.11). Its step
+scalars then refuse ``writes_disabled`` rather than let made-up inputs write.
+
 The graph-safe form, ``cache[:B].index_copy_(2, cache_position, k)`` (full mode), gets the same
 rewrite with ``cache_position`` itself as the index. It already replays in the graph, but through
 a view of a graph input, which Inductor can only do by copying ``cache[:B]`` out and back each step
@@ -131,25 +138,30 @@ def kv_written_inputs(graph: torch.fx.Graph, steps: frozenset) -> frozenset[str]
     return frozenset(site.buffer.name for site in find_kv_writes(graph, placeholders, steps))
 
 
-def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes
-                     ) -> dict:
-    """Rewrite one write (its index tensors reused from ``shared``); returns its gather and its put,
-    each with the (buffer, dim) pairs it reads or writes by batch row (its prefix dims that stop at
-    a graph value: ``cache[:B]``)."""
+def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes,
+                     masked: bool = True) -> dict:
+    """Rewrite one write (its index tensors reused from ``shared``); returns the nodes that read or
+    write the buffer (the masked form's gather and put, the unmasked form's put), each with the
+    (buffer, dim) pairs it reads or writes by batch row (its prefix dims that stop at a graph value:
+    ``cache[:B]``). ``masked=False``: the unmasked form (see the module docstring), unless the write
+    stops at the caller's rows, which is always masked."""
     graph = site.node.graph
     buffer_value = facts.example_value(site.buffer)
     value = site.value
+    rows = tuple((site.buffer, d) for d, dim in enumerate(site.dims)
+                 if dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node))
     add = Builder(graph, site.node, fake_mode, shared)
-    where, mask = indices(site, scalars, slot_of, add, masked=True)
-    old = add("call_function", operator.getitem, site.buffer, where)
+    where, mask = indices(site, scalars, slot_of, add, masked=masked or bool(rows))
     if facts.example_value(value).dtype != buffer_value.dtype:
         value = add("call_method", "to", value, buffer_value.dtype)
-    new = add("call_function", torch.where, mask, value, old)
-    put = add("call_method", "index_put_", site.buffer, where, new)
+    reads = {}
+    if mask is not None:
+        old = add("call_function", operator.getitem, site.buffer, where)
+        value = add("call_function", torch.where, mask, value, old)
+        reads[old] = rows
+    put = add("call_method", "index_put_", site.buffer, where, value)
     view = site.node.args[0]
     graph.erase_node(site.node)
     if view is not site.buffer and not view.users:  # index_copy_'s view of the buffer, now unused
         graph.erase_node(view)
-    rows = tuple((site.buffer, d) for d, dim in enumerate(site.dims)
-                 if dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node))
-    return {old: rows, put: rows}
+    return {**reads, put: rows}

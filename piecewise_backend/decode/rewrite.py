@@ -4,7 +4,8 @@ A decode step's per-step Python ints (the KV position ``pos``) would force every
 them to run eagerly, or a recapture every step. This pass finds the uses it knows, adds one graph
 input, the step scalars (``step_scalars.py``), and rewrites each use to read its int from there:
 
-1. KV-cache writes at ``pos`` become masked ``index_put_`` in the compute pieces (``kv_writes.py``);
+1. KV-cache writes at ``pos`` become ``index_put_`` in the compute pieces (``kv_writes.py``), masked
+   unless every tensor input has fixed sizes;
 2. decode attention over ``cache[:B, :, :pos + 1]`` becomes the graph-safe ``prefix_attention``
    (``graph_attention.py``);
 3. RoPE-style reads ``cos[pos:pos + S]`` become in-graph gathers (``rope_reads.py``), and position
@@ -96,12 +97,22 @@ def _add_scalars_input(graph: torch.fx.Graph, scalars: StepScalars, fake_mode) -
     return node
 
 
-def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node, slot_of: dict, fake_mode) -> dict:
-    """Rewrite every site; returns the row access of the nodes built (see :class:`Rewrite`)."""
+def _fixed_sizes(graph: torch.fx.Graph) -> bool:
+    """Does every tensor input have fixed sizes? Then the graph has no dynamic batch: it is never
+    padded nor captured up front on made-up inputs, and its KV writes need no mask (``kv_writes.py``)."""
+    values = (facts.example_value(n) for n in facts.placeholders(graph))
+    return not any(_torch_internals.sym_expr(s).free_symbols for v in values if isinstance(v, torch.Tensor)
+                   for s in v.shape if isinstance(s, torch.SymInt))
+
+
+def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node, slot_of: dict, fake_mode,
+                   masked: bool) -> dict:
+    """Rewrite every site (the KV writes ``masked`` or not); returns the row access of the nodes built
+    (see :class:`Rewrite`)."""
     row_access = {}
     shared = SharedNodes(graph)  # index tensors and lengths, built once for every layer
     for site in sites.writes:
-        row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode, shared))
+        row_access.update(rewrite_kv_write(site, scalars, slot_of, fake_mode, shared, masked))
     for site in sites.reads:
         rewrite_read(site, scalars, slot_of, fake_mode, shared)
     for site in sites.ranges:
@@ -143,10 +154,11 @@ def rewrite_decode(gm: torch.fx.GraphModule, static_inputs: set[str], writes: bo
     slots = _bounds(graph, sites)
     first = sites.writes[0].buffer if sites.writes else sites.attention[0].buffers[0]
     buffer_value = facts.example_value(first)
-    scalars = StepScalars(slots.slots, buffer_value.device)
+    masked = not _fixed_sizes(graph)
+    scalars = StepScalars(slots.slots, buffer_value.device, writes_masked=masked)
     fake_mode = buffer_value.fake_mode
     node = _add_scalars_input(graph, scalars, fake_mode)
-    row_access = _rewrite_sites(graph, sites, node, slots.index, fake_mode)
+    row_access = _rewrite_sites(graph, sites, node, slots.index, fake_mode, masked)
     views = find_prefix_views(graph, static_inputs, steps)  # the eager attention's cache slices, made cheaper
     for view in views:
         rewrite_prefix_view(view, steps, Builder(graph, view, fake_mode))

@@ -20,7 +20,8 @@ written ahead (a new sequence, a jump) writes them before it runs, as it did wit
 past a slot's bounds is not written: up-front capture may read the tensor between calls.
 
 Slot 0 is the *enable* flag: up-front capture runs compute pieces on made-up inputs and sets it to
-0, and every rewritten write then puts back what it read.
+0, and every rewritten write then puts back what it read. A graph whose writes are unmasked (fixed
+sizes: it never captures up front) refuses that with an error instead.
 """
 
 from __future__ import annotations
@@ -72,8 +73,9 @@ class Slots:
 class StepScalars:
     """The device tensor the rewritten graph reads its positions and real sizes from."""
 
-    def __init__(self, slots: list[Slot], device: torch.device):
+    def __init__(self, slots: list[Slot], device: torch.device, writes_masked: bool = True):
         self.slots = slots
+        self.writes_masked = writes_masked  # the rewritten writes honour the enable flag (kv_writes.py)
         with torch.inference_mode(False):  # a normal tensor: filled in place under any grad mode
             self.tensor = torch.ones(1 + len(slots), dtype=torch.int64, device=device)
             self._views = [self.tensor[j] for j in range(1 + len(slots))]
@@ -119,6 +121,10 @@ class StepScalars:
     @contextlib.contextmanager
     def writes_disabled(self):
         """Rewritten writes put back what they read (for runs on made-up inputs)."""
+        if not self.writes_masked:
+            raise RuntimeError("piecewise: this graph's KV writes are unmasked (its inputs have fixed sizes), so "
+                               "they cannot be turned off for a run on made-up inputs; it captures lazily, on "
+                               "real calls.")
         self._views[ENABLE].fill_(0)
         try:
             yield
