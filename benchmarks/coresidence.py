@@ -1,6 +1,12 @@
 """Does building the one-graph limit in the same process slow the piecewise decode step? (CUDA only)
 
-    python benchmarks/coresidence.py MODEL BATCH STEPS     # e.g. 16L-whole-cache 8 40 (the suite's sizes)
+    python benchmarks/coresidence.py MODEL BATCH STEPS [AFTER]   # e.g. 16L-whole-cache 8 40 (the suite's sizes)
+
+AFTER, what is built between the two timings (default ``limit``, what ran for the numbers below):
+``limit`` (Inductor, ``dynamic=False``, and its graph captured: ``suite.limit_graph``);
+``inductor`` (the same compile, run, nothing captured); ``eager-graph`` (the eager step captured
+in a graph, nothing compiled); ``limit-no-cudnn`` (the limit built and replayed with cuDNN's SDPA
+kept out: is it cuDNN's state?).
 
 Why: ``suite.py`` times every variant of a batch in one process, the limit first (an Inductor
 compile of the same model, ``dynamic=False``, and its graph captured), and divides by the limit of
@@ -62,8 +68,39 @@ def measure(label):
 
 n = min(80, int(sys.argv[3]) - 8)
 measure("alone")
+after = sys.argv[4] if len(sys.argv) > 4 else "limit"
+
+
+def eager_graph(model, batch: int, prompt: int):
+    """The eager decode step captured in one graph (nothing compiled): ``replay()``."""
+    ids = torch.randint(0, model.cfg.vocab, (batch, 1), device="cuda")
+    for _ in range(3):
+        model(ids, prompt)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(ids, prompt)
+
+    def replay():
+        graph.replay()
+        return out
+    replay.inputs = (ids,)
+    return replay
+
+
 with torch.inference_mode():
-    replay, _ = limit_graph(model, batch, 256, "cuda")
+    if after == "inductor":
+        compiled = torch.compile(model, dynamic=False)
+        ids = torch.randint(0, model.cfg.vocab, (batch, 1), device="cuda")
+        replay = lambda: compiled(ids, 256)  # noqa: E731
+    elif after == "eager-graph":
+        replay = eager_graph(model, batch, 256)
+    else:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        pin = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if after == "limit-no-cudnn" \
+            else __import__("contextlib").nullcontext()
+        with pin:
+            replay, _ = limit_graph(model, batch, 256, "cuda")
     for _ in range(20):
         replay()
     torch.cuda.synchronize()
@@ -71,5 +108,5 @@ with torch.inference_mode():
     for _ in range(30):
         b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         b.record(); replay(); e.record(); e.synchronize(); ms.append(b.elapsed_time(e) * 1e3)
-    print("limit replay us", statistics.median(ms))
-measure("after limit")
+    print(f"{after} replay us", statistics.median(ms))
+measure(f"after {after}")
