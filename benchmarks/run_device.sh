@@ -11,6 +11,9 @@
 #   bash benchmarks/run_device.sh capture           # capture_cost.py: capture time and pool memory
 #   bash benchmarks/run_device.sh host [ARGS...]    # host_breakdown.py ARGS: where a step's host time goes
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
+#   bash benchmarks/run_device.sh suite-apart [ARGS...]  # suite.py ARGS (no --variants) twice: limit and
+#                                                   #   dynamo-floor in one process, piecewise in another
+#                                                   #   (coresidence.py: the limit's build slows piecewise)
 #   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
 #   bash benchmarks/run_device.sh hf [ARGS...]      # hf_generate.py ARGS: transformers generate() ms/token
 #   bash benchmarks/run_device.sh kernel            # attention_kernel.py: the decode attention kernel vs SDPA
@@ -83,6 +86,15 @@ case "$part" in
       | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
     python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
+  suite-apart)
+    # each side in a process of its own; record.py merges rows of one code hash, and a piecewise row,
+    # with no limit in its process, is divided by its model's and batch's limit row (plot.vs_limit)
+    for variants in "limit dynamo-floor" "piecewise"; do
+      timeout "${SUITE_TIMEOUT:-270}" python benchmarks/suite.py --out "$OUT/suite.json" --variants $variants "$@" 2>&1 \
+        | tee -a "$OUT/suite.log" | grep '^{'
+      record --suite "$OUT/suite.json"
+    done
+    python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
   fuzz)
     python -m tests.fuzz --out "$OUT/fuzz.json" "$@" 2>&1 | tee "$OUT/fuzz.log" | grep -v Warning | tail -30
     record --fuzz "$OUT/fuzz.json" ;;
@@ -118,5 +130,5 @@ case "$part" in
     record --graph-kernels "$OUT/graph_kernels.json" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads or ab" >&2; exit 2 ;;
 esac

@@ -349,6 +349,28 @@ def test_record_stamps_the_graph_kernels_rows(tmp_path):
     assert row["piecewise"] == {"k": [1.0, 2.5]} and len(row["code_hash"]) == 64
 
 
+def test_suites_of_two_processes_merge_and_divide_by_the_other_processes_limit(tmp_path):
+    """What ``run_device.sh suite-apart`` relies on: the limit and the floor recorded from one process,
+    piecewise from another (``coresidence.py``: building the limit slows the piecewise step), both
+    rows kept, and piecewise divided by the limit row of its model and batch."""
+    import json
+
+    out = tmp_path / "h200.json"
+    previous = tmp_path / "none.json"
+    for name, rows in (("limit", [{"model": "m", "variant": "limit", "batch": 8, "step_ms": 0.68},
+                                  {"model": "m", "variant": "dynamo-floor", "batch": 8, "step_ms": 0.74,
+                                   "limit_same_process_ms": 0.68}]),
+                       ("piecewise", [{"model": "m", "variant": "piecewise", "batch": 8, "step_ms": 0.78}])):
+        part = tmp_path / f"suite_{name}.json"
+        part.write_text(json.dumps({"decode": rows}))
+        _run_script(["record.py", "--suite", str(part), "--previous", str(previous), "--out", str(out)])
+        previous = out
+    result = json.loads(out.read_text())
+    assert sorted(r["variant"] for r in result["decode"]) == ["dynamo-floor", "limit", "piecewise"]
+    ratios = {r["variant"]: r["vs_limit"] for r in result["vs_limit"]}
+    assert ratios == {"limit": 1.0, "dynamo-floor": round(0.74 / 0.68, 3), "piecewise": round(0.78 / 0.68, 3)}
+
+
 def test_rows_say_what_shared_their_process_and_its_limit():
     args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
     rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
