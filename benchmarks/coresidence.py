@@ -71,30 +71,13 @@ measure("alone")
 after = sys.argv[4] if len(sys.argv) > 4 else "limit"
 
 
-def eager_graph(model, batch: int, prompt: int):
-    """The eager decode step captured in one graph (nothing compiled): ``replay()``."""
-    ids = torch.randint(0, model.cfg.vocab, (batch, 1), device="cuda")
-    for _ in range(3):
-        model(ids, prompt)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = model(ids, prompt)
-
-    def replay():
-        graph.replay()
-        return out
-    replay.inputs = (ids,)
-    return replay
-
-
 with torch.inference_mode():
     if after == "inductor":
         compiled = torch.compile(model, dynamic=False)
         ids = torch.randint(0, model.cfg.vocab, (batch, 1), device="cuda")
         replay = lambda: compiled(ids, 256)  # noqa: E731
     elif after == "eager-graph":
-        replay = eager_graph(model, batch, 256)
+        replay, _ = limit_graph(model, batch, 256, "cuda", inductor=False)
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         pin = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if after == "limit-no-cudnn" \

@@ -138,9 +138,10 @@ def model_name(model) -> str:
     return f"llama-{model.cfg.layers}L-{model.cfg.hidden}" + (f"-{idiom}" if idiom else "")
 
 
-def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False):
+def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False, inductor: bool = True):
     """The whole Inductor-compiled decode step at one shape and position, captured in one graph:
-    (``replay()`` returning the graph's logits, seconds to compile and warm up).
+    (``replay()`` returning the graph's logits, seconds to compile and warm up). ``inductor=False``:
+    the eager step captured instead (``coresidence.py``).
 
     ``replay.inputs`` holds the graph's inputs: a CUDA graph keeps only their addresses. Before it
     did, the token ids were freed when this function returned, later allocations reused their memory,
@@ -149,7 +150,7 @@ def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = 
     """
     if device != "cuda":
         raise RuntimeError("the limit is a CUDA graph: needs a GPU")
-    compiled = torch.compile(model, dynamic=False)
+    compiled = torch.compile(model, dynamic=False) if inductor else model
     reset_caches(model)
     ids = torch.randint(0, model.cfg.vocab, (batch, 1), device=device)
     pos = torch.tensor([prompt], device=device) if tensor_pos else prompt
