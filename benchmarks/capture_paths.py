@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
 import _checkout  # noqa
 from suite import models_for
+from timing import timed
 from toys.models import reset_caches
 from piecewise_backend.runtime.devices import device_graphs
 from piecewise_backend import _torch_internals
@@ -54,9 +55,5 @@ with torch.inference_mode():
         for name, g in graphs.items():
             for _ in range(10):
                 g.replay()
-            times = []
-            for _ in range(30):
-                b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                b.record(); g.replay(); e.record(); e.synchronize()
-                times.append(b.elapsed_time(e))
+            times = [timed(g.replay, "cuda")[1] for _ in range(30)]
             print(f"b{batch} round {rnd} {name:36s} {statistics.median(times) * 1e3:7.1f} us")

@@ -17,12 +17,12 @@ after the limit has been built and replayed. Measured on the H200 at code hash `
 (the limit's replay is 680 µs in a process of its own); after the limit was built, 768 µs and
 779 µs, and the host's time per call went from 148 to 385 µs. See benchmarks/README.md.
 """
-import os, sys, time, statistics, argparse
+import argparse, contextlib, os, statistics, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
 import _checkout  # noqa
 from suite import compiled_variant, models_for, limit_graph
-from timing import time_decode
+from timing import time_decode, timed
 from toys.models import next_tokens, reset_caches
 
 key, batch = sys.argv[1], int(sys.argv[2])
@@ -81,15 +81,12 @@ with torch.inference_mode():
     else:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         pin = sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]) if after == "limit-no-cudnn" \
-            else __import__("contextlib").nullcontext()
+            else contextlib.nullcontext()
         with pin:
             replay, _ = limit_graph(model, batch, 256, "cuda")
     for _ in range(20):
         replay()
     torch.cuda.synchronize()
-    ms = []
-    for _ in range(30):
-        b, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        b.record(); replay(); e.record(); e.synchronize(); ms.append(b.elapsed_time(e) * 1e3)
+    ms = [timed(replay, "cuda")[1] * 1e3 for _ in range(30)]
     print(f"{after} replay us", statistics.median(ms))
 measure(f"after {after}")

@@ -101,8 +101,7 @@ def _fixed_sizes(graph: torch.fx.Graph) -> bool:
     """Does every tensor input have fixed sizes? Then the graph has no dynamic batch: it is never
     padded nor captured up front on made-up inputs, and its KV writes need no mask (``kv_writes.py``)."""
     values = (facts.example_value(n) for n in facts.placeholders(graph))
-    return not any(_torch_internals.sym_expr(s).free_symbols for v in values if isinstance(v, torch.Tensor)
-                   for s in v.shape if isinstance(s, torch.SymInt))
+    return not any(facts.value_symbols(tuple(v.shape)) for v in values if isinstance(v, torch.Tensor))
 
 
 def _rewrite_sites(graph: torch.fx.Graph, sites: _Sites, scalars: torch.fx.Node, slot_of: dict, fake_mode,
