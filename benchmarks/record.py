@@ -1,12 +1,13 @@
-"""Merge a device run into benchmarks/results/h200.json, stamped with the code hash.
+"""Merge a device run into benchmarks/results/<gpu>.json, stamped with the code hash.
 
     python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
                                 [--host host.json] [--ab ab.json] [--fuzz fuzz.json]
                                 [--moved-weights moved_weights.json] [--hf hf.json] [--threads threads.json]
-                                --out h200.json
+                                --previous results/h200.json --out h200.json
 
 Each part replaces only the keys it produces, so a run split over several device calls accumulates
-in one file.
+in one file. One file per kind of GPU (``gpu_slug``): the device lends an H100 or an H200 from call
+to call, and a row measured on one must never be divided by a row measured on the other.
 
 The code hash follows ../shared/tools/code_hash.py's definition (sha256 over the package's .py
 files in sorted path order: path, NUL, bytes, NUL), recomputed here because shared/ does not travel
@@ -19,6 +20,7 @@ import argparse
 import hashlib
 import json
 import pathlib
+import re
 import xml.etree.ElementTree as ET
 
 import torch
@@ -33,6 +35,13 @@ def code_hash(root: pathlib.Path = ROOT) -> str:
     for rel in sorted(p.relative_to(root).as_posix() for p in (root / "piecewise_backend").rglob("*.py")):
         h.update(rel.encode() + b"\0" + (root / rel).read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """The results file's name for a GPU: ``h200`` for "NVIDIA H200", ``h100`` for "NVIDIA H100 80GB HBM3"."""
+    name = torch.cuda.get_device_name() if name is None else name
+    model = re.search(r"\b([A-Z]\d{2,3}[A-Z]?)\b", name)
+    return model.group(1).lower() if model else re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
 def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str, old_default_hash=None) -> list[dict]:
@@ -108,7 +117,11 @@ def main() -> None:
     digest = code_hash()
     file_hash = result.get("code_hash")
     if torch.cuda.is_available():  # merging elsewhere must not relabel the device's results
-        result.update({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()})
+        gpu = torch.cuda.get_device_name()
+        if result.get("gpu", gpu) != gpu:
+            raise SystemExit(f"record.py: {prev} holds results of {result['gpu']}, this run is on {gpu}; "
+                             f"pass --previous benchmarks/results/{gpu_slug(gpu)}.json")
+        result.update({"torch": torch.__version__, "gpu": gpu})
     given = (("tests", args.junit), ("suite", args.suite), ("host", args.host))
     drop_stale_notes(result, digest, {part for part, path in given if path})
     if args.junit:

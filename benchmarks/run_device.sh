@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device runs, in parts that fit one call each (10 minutes), accumulating in h200.json:
+# Device runs, in parts that fit one call each (10 minutes), accumulating in results/<gpu>.json
+# (h200.json on an H200, h100.json on an H100: record.gpu_slug):
 #
 #   bash benchmarks/run_device.sh tests [ARGS...]   # every test, CUDA ones included (ARGS go to pytest:
 #                                                   #   -m cuda runs only the GPU tests, ~1.5 of ~4.5 min;
@@ -24,15 +25,14 @@
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
 #   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
-#                                                   #   ($OUT/ab_versions.json; not merged into h200.json)
+#                                                   #   ($OUT/ab_versions.json; not merged into the results)
 #
-# Each part merges its keys into the repo's benchmarks/results/h200.json (stamped with the code hash)
-# and leaves the result, logs and the figure under $OUT; copy $OUT/h200.json back into the repo.
+# Each part merges its keys into the repo's benchmarks/results/<gpu>.json (stamped with the code hash)
+# and leaves the result, logs and the figure under $OUT; copy $OUT/<gpu>.json back into the repo.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-RESULTS=benchmarks/results/h200.json
 # Inductor's and Triton's caches in the checkout's ignored .cache/: the device keeps ignored files
 # between calls while the machine stays warm, so the next part loads what this one compiled (a 16L
 # variant: ~25 s to compile, a few to load). Rows say which they timed (inductor_compiled,
@@ -41,10 +41,15 @@ export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$PWD/.cache/inductor}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.cache/triton}
 python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&1 || { cat "$OUT/pip.log"; exit 1; }
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
+# one results file per kind of GPU: the machines lent differ from call to call, and a ratio is only
+# quoted between rows of one GPU
+GPU=$(cd benchmarks && python -c "import record; print(record.gpu_slug())") || exit 1
+RESULTS=benchmarks/results/$GPU.json
+RECORDED=$OUT/$GPU.json
 part=${1:-tests}
 shift || true
 record() {
-  python benchmarks/record.py "$@" --out "$OUT/h200.json" && cp "$OUT/h200.json" "$RESULTS"
+  python benchmarks/record.py "$@" --previous "$RESULTS" --out "$RECORDED" && cp "$RECORDED" "$RESULTS"
 }
 case "$part" in
   tests)
@@ -52,7 +57,7 @@ case "$part" in
       | tail -25
     record --junit "$OUT/pytest.xml"
     # a failed test fails the part, so `run_device.sh tests -m cuda && run_device.sh suite ...` stops
-    python -c "import json, sys; sys.exit(json.load(open('$OUT/h200.json'))['tests']['failed'] > 0)" ;;
+    python -c "import json, sys; sys.exit(json.load(open('$RECORDED'))['tests']['failed'] > 0)" ;;
   cuda-tests)
     # $OUT brings back at most 8 files: the shards' own files stay in $work, their logs come back as one
     shards=${1:-4}; shift || true
@@ -73,7 +78,7 @@ case "$part" in
     grep -h -E "^(FAILED|ERROR)" "$OUT/pytest.log"
     record --junit "$work"/pytest_*.xml --tests-selection "-m cuda, $shards shards at once"
     [ -f "$OUT/fuzz.json" ] && record --fuzz "$OUT/fuzz.json"
-    python -c "import json, sys; sys.exit(json.load(open('$OUT/h200.json'))['tests']['failed'] > 0)" ;;
+    python -c "import json, sys; sys.exit(json.load(open('$RECORDED'))['tests']['failed'] > 0)" ;;
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
@@ -85,7 +90,7 @@ case "$part" in
     timeout "${SUITE_TIMEOUT:-540}" python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 \
       | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
-    python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
+    python benchmarks/plot.py "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
   suite-apart)
     # each side in a process of its own; record.py merges rows of one code hash, and a piecewise row,
     # with no limit in its process, is divided by its model's and batch's limit row (plot.vs_limit)
@@ -94,7 +99,7 @@ case "$part" in
         | tee -a "$OUT/suite.log" | grep '^{'
       record --suite "$OUT/suite.json"
     done
-    python benchmarks/plot.py "$OUT/h200.json" --png "$OUT/h200_decode.png" ;;
+    python benchmarks/plot.py "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
   fuzz)
     python -m tests.fuzz --out "$OUT/fuzz.json" "$@" 2>&1 | tee "$OUT/fuzz.log" | grep -v Warning | tail -30
     record --fuzz "$OUT/fuzz.json" ;;

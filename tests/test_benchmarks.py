@@ -335,6 +335,14 @@ def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
     assert row["specialize_float"] is False  # a row from before the option: torch's default
 
 
+def test_results_are_filed_by_the_kind_of_gpu():
+    """``run_device.sh`` records into ``results/<gpu_slug>.json``: the device lends H100s and H200s
+    from call to call, and rows of one must not be merged with (or divided by) rows of the other."""
+    assert record.gpu_slug("NVIDIA H200") == "h200"
+    assert record.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert record.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+
+
 def test_record_stamps_the_graph_kernels_rows(tmp_path):
     """``record.py --graph-kernels``: ``graph_kernels.py``'s rows, each stamped with the code hash."""
     import json
