@@ -14,7 +14,9 @@
 #   bash benchmarks/run_device.sh suite [ARGS...]   # suite.py ARGS (e.g. --models 16L --startup)
 #   bash benchmarks/run_device.sh suite-apart [ARGS...]  # suite.py ARGS (no --variants) twice: limit and
 #                                                   #   dynamo-floor in one process, piecewise in another
-#                                                   #   (coresidence.py: the limit's build slows piecewise)
+#                                                   #   (coresidence.py: the limit's build slows piecewise;
+#                                                   #   PIECEWISE_VARIANTS="piecewise piecewise-skip-guards"
+#                                                   #   times more variants in the second process)
 #   bash benchmarks/run_device.sh fuzz [ARGS...]    # python -m tests.fuzz ARGS: random models vs eager, memory
 #   bash benchmarks/run_device.sh hf [ARGS...]      # hf_generate.py ARGS: transformers generate() ms/token
 #   bash benchmarks/run_device.sh kernel            # attention_kernel.py: the decode attention kernel vs SDPA
@@ -94,7 +96,7 @@ case "$part" in
   suite-apart)
     # each side in a process of its own; record.py merges rows of one code hash, and a piecewise row,
     # with no limit in its process, is divided by its model's and batch's limit row (plot.vs_limit)
-    for variants in "limit dynamo-floor" "piecewise"; do
+    for variants in "limit dynamo-floor" "${PIECEWISE_VARIANTS:-piecewise}"; do
       timeout "${SUITE_TIMEOUT:-270}" python benchmarks/suite.py --out "$OUT/suite.json" --variants $variants "$@" 2>&1 \
         | tee -a "$OUT/suite.log" | grep '^{'
       record --suite "$OUT/suite.json"
