@@ -96,6 +96,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit", nargs="+", help="pytest JUnit XML files (summed)")
     parser.add_argument("--tests-selection", help="with --junit: which tests ran, when not all (pytest's -m/-k)")
+    parser.add_argument("--tests-collected", type=int,
+                        help="with --junit: how many tests were meant to run; those without a result (a shard "
+                             "cut by its timeout) are recorded as not_run, and the part fails")
     parser.add_argument("--capture")
     parser.add_argument("--suite")
     parser.add_argument("--host", help="host_breakdown.py's JSON")
@@ -127,6 +130,9 @@ def main() -> None:
     if args.junit:
         selection = {"selection": args.tests_selection} if args.tests_selection else {}
         result["tests"] = {**pytest_summary(args.junit), **selection, "code_hash": digest}
+        if args.tests_collected is not None:
+            result["tests"]["not_run"] = max(0, args.tests_collected - sum(
+                result["tests"][k] for k in ("passed", "failed", "skipped")))
     if args.suite:
         suite = json.loads(pathlib.Path(args.suite).read_text())
         for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them

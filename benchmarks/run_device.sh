@@ -78,9 +78,10 @@ case "$part" in
     wait
     for i in $(seq 0 $((shards - 1))); do echo "=== shard $i"; cat "$work/pytest_$i.log"; done >"$OUT/pytest.log"
     grep -h -E "^(FAILED|ERROR)" "$OUT/pytest.log"
-    record --junit "$work"/pytest_*.xml --tests-selection "-m cuda, $shards shards at once"
+    record --junit "$work"/pytest_*.xml --tests-selection "-m cuda, $shards shards at once" \
+      --tests-collected "$(wc -l <"$work/ids.txt")"
     [ -f "$OUT/fuzz.json" ] && record --fuzz "$OUT/fuzz.json"
-    python -c "import json, sys; sys.exit(json.load(open('$RECORDED'))['tests']['failed'] > 0)" ;;
+    python -c "import json, sys; t = json.load(open('$RECORDED'))['tests']; sys.exit(t['failed'] + t['not_run'] > 0)" ;;
   capture)
     python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;

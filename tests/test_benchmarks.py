@@ -327,9 +327,10 @@ def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
     startup.write_text(json.dumps({"hf_startup": [{"model": "qwen3", "layers": 4, "cache": "dynamic", "cold_s": 9.0}]}))
     out = tmp_path / "h200.json"
     _run_script(["record.py", "--junit", *map(str, shards), "--hf-startup", str(startup), "--previous",
-                 str(tmp_path / "none.json"), "--out", str(out)])
+                 str(tmp_path / "none.json"), "--out", str(out), "--tests-collected", "12"])
     result = json.loads(out.read_text())
     assert (result["tests"]["passed"], result["tests"]["failed"], result["tests"]["skipped"]) == (6, 1, 2)
+    assert result["tests"]["not_run"] == 3  # 12 collected, 9 with a result: a shard cut by its timeout
     (row,) = result["hf_startup"]
     assert row["cold_s"] == 9.0 and row["code_hash"] == result["tests"]["code_hash"]
     assert row["specialize_float"] is False  # a row from before the option: torch's default
