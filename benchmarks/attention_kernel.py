@@ -1,4 +1,4 @@
-"""GPU time of the graph-safe decode attention kernel (``decode/kernel.py``) per launch config, vs SDPA.
+"""GPU time of the graph-safe decode attention kernel (``ops/kernel.py``) per launch config, vs SDPA.
 
     python benchmarks/attention_kernel.py --json kernel.json      (a GPU with Triton; ~30 s)
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import _checkout  # noqa: F401  (the checkout on sys.path)
-from piecewise_backend.decode import kernel
+from piecewise_backend.ops import kernel
 
 CASES = [(1, 300, 336), (8, 300, 336), (32, 300, 336), (32, 1000, 1100), (1, 2000, 4096)]  # batch, live, buffer
 HEADS, HEAD_DIM = 16, 64

@@ -51,7 +51,7 @@ def all_sizes_up_front(model, max_size: int) -> dict:
     graph = decode_graph()
     assert graph.stats.events, graph.stats.summary()
     largest = graph.stats.events[0]
-    assert largest.key == (max_size,) and largest.how == "eager", graph.stats.table()
+    assert largest.key == (max_size,) and largest.how == "up-front", graph.stats.table()
     largest_bytes = piecewise_backend.pool_bytes()
     start = time.perf_counter()
     graph.capture("all")

@@ -31,7 +31,7 @@ import piecewise_backend
 from piecewise_backend import emulated_graphs
 from piecewise_backend.runtime.devices import synchronize
 from piecewise_backend.runtime.piece_runner import PieceRunner
-from piecewise_backend.splitting import COMPUTE
+from piecewise_backend.split.splitting import COMPUTE
 from timing import timed
 from toys.models import ToyConfig, reset_caches, sdpa_backends
 from suite import IDIOMS, MODELS, next_ids, toy_model
@@ -58,7 +58,7 @@ class _Clock:
 
 def _instrument(graph, clock: _Clock) -> None:
     graphed = graph.device.type == "cuda"  # emulated graphs (CPU): replays stubbed out
-    gm = graph.split.graph_module
+    gm = graph.split_module  # the copy whose pieces the compiled graph calls
     for spec in graph.split.pieces:
         if spec.kind != COMPUTE:
             gm.__dict__[spec.name] = clock.wrap("eager pieces", gm.__dict__[spec.name])

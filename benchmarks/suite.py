@@ -16,7 +16,7 @@ Variants, side by side in one process (the machines are noisy; read ratios):
   eagerly (SDPA) between the captured pieces; the default before, named ``piecewise`` in results
   measured before the switch.
 * ``piecewise-kv-eager``: ``piecewise-eager-attention`` with ``capture_kv_writes=False`` too (the
-  KV-cache writes run eagerly between replays, as before ``decode/kv_writes.py``): what moving them
+  KV-cache writes run eagerly between replays, as before ``rewrite/kv_writes.py``): what moving them
   into the graphs gives.
 * ``piecewise-skip-guards``: ``piecewise`` decoding under
   ``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: Dynamo checks only the guards that

@@ -9,15 +9,16 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 
 from .backend import piecewise
 from .config import PiecewiseConfig
-from .inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .kinds import CaptureHow, Miss, PieceKind
+from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
+from .observe.reports import capture_table, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
+from .plan.emulation import emulated_graphs
 from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
 from .runtime.memory_estimate import GraphMemoryEstimate
-from .runtime.emulation import emulated_graphs
-from .stats import CaptureEvent, GraphStats, PieceStats, capture_table, process_stats
+from .runtime.stats import CaptureEvent, GraphStats, PieceStats
 
 __version__ = "0.1.0"
 

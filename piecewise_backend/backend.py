@@ -1,17 +1,21 @@
 """The ``piecewise`` torch.compile backend: one pipeline from Dynamo's graph to a compiled graph.
 
 ``torch.compile(model, backend="piecewise", options={...})`` calls :func:`piecewise` once per graph
-Dynamo captures. :func:`build` runs five stages, each in a module of its own:
+Dynamo captures. :func:`build` runs five stages, each in a folder of its own (each folder's
+``__init__`` says what it takes and gives):
 
-1. **rewrite** (``decode/``): per-step ints read from a device tensor, so decode steps can be graphed;
-2. **split** (``splitting.py``): the graph cut at attention into compute and eager pieces;
-3. **compile** (``compiling.py``): each distinct compute piece compiled once with Inductor (a piece
-   holding many layers, layer by layer: ``layer_chain.py``);
-4. **plan** (``plan.py``): shape keys, padding, staging and capture decisions, frozen;
+1. **rewrite** (``rewrite/``): per-step ints read from a device tensor, so decode steps can be graphed;
+2. **split** (``split/``): the graph cut at attention into compute and eager pieces;
+3. **compile** (``compiling/``): each distinct compute piece compiled once with Inductor (a piece
+   holding many layers, layer by layer);
+4. **plan** (``plan/``): shape keys, padding, staging and capture decisions, frozen in a
+   :class:`~piecewise_backend.plan.types.GraphPlan`;
 5. **wrap** (``runtime/``): a :class:`~piecewise_backend.runtime.compiled_graph.CompiledGraph` that
    runs the plan per call, capturing one CUDA graph per shape key lazily.
 
-Compile time ends at the plan: the run time reads nothing else.
+Compile time ends at the plan: the run time imports nothing else of it (``tests/test_package_structure.py``).
+``fx/`` holds the graph facts the compile stages share, ``ops/`` the graph-safe attention op that
+rewritten graphs call, ``observe/`` what people read.
 """
 
 from __future__ import annotations
@@ -24,25 +28,24 @@ import torch
 import torch.fx
 
 from . import _torch_internals
-from . import graph_facts as facts
-from .compiling import PieceCompiler, compile_pieces
+from .compiling.piece_compiler import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
-from .decode import kv_written_inputs, rewrite_decode
-from .decode.graph_attention import mark_attention_paths
-from .in_place_writes import written_in_place
+from .fx import graph_facts as facts
 from .kinds import PieceKind
 from .op_names import GRAPH_ATTENTION_OP
-from .plan import GraphInputs, GraphPlan, graphs_disabled_reason, make_plan
+from .plan.making import graphs_disabled_reason, make_plan
+from .plan.types import GraphInputs, GraphPlan
 from .registry import register
+from .rewrite import kv_written_inputs, rewrite_decode
+from .rewrite.graph_attention import mark_attention_paths
 from .runtime.compiled_graph import CompiledGraph
-from .signatures import piece_signatures
-from .splitting import SplitGraph, split_graph
-from .staging import stage_keys
+from .split.in_place_writes import written_in_place
+from .split.splitting import SplitGraph, split_graph
 
-log = logging.getLogger("piecewise_backend")
+log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 
 
-_MODES = (None, "default", "reduce-overhead")  # what this backend does anyway: CUDA graphs per shape
+_TORCH_COMPILE_MODES = (None, "default", "reduce-overhead")  # torch.compile(mode=...) this backend does anyway
 
 
 def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
@@ -54,10 +57,10 @@ def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[s
     Inductor's other modes are refused by name rather than ignored.
     """
     if kwargs:
-        raise TypeError(f"piecewise backend: unexpected arguments {sorted(kwargs)}; pass settings as "
+        raise TypeError(f"piecewise: unexpected arguments {sorted(kwargs)}; pass settings as "
                         f"torch.compile(..., options={{...}}).")
-    if mode not in _MODES:
-        raise ValueError(f"piecewise backend: mode={mode!r} is not supported: this backend always captures CUDA "
+    if mode not in _TORCH_COMPILE_MODES:
+        raise ValueError(f"piecewise: mode={mode!r} is not supported: this backend always captures CUDA "
                          f"graphs per shape (what 'reduce-overhead' asks for) and compiles its pieces with "
                          f"Inductor's defaults. Leave mode out, or pass 'default' or 'reduce-overhead'.")
     return build(gm, example_inputs, PiecewiseConfig.from_options(options))
@@ -71,10 +74,8 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     compute_names = {p.name for p in split.pieces if p.kind == PieceKind.COMPUTE}
     compiled, fake_outputs, node_values = compile_pieces(split.graph_module, compute_names, inputs.fake_inputs,
                                                          compiler)
-    staging = stage_keys(split.graph_module, node_values, compute_names, split.written_inputs, inputs.static_names)
-    signatures = piece_signatures(split.graph_module, node_values)
-    del node_values  # fake values of every intermediate: not needed past this point
-    plan = make_plan(config, inputs, split, compiled, fake_outputs, staging, signatures, compiler)
+    plan = make_plan(config, inputs, split, compiled, fake_outputs, node_values, compiler)
+    del node_values  # fake values of every intermediate: the plan keeps none
     graph = register(CompiledGraph(plan, config))
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
@@ -92,13 +93,13 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     fake_mode = _torch_internals.detect_fake_mode(example_inputs)
     placeholders = facts.placeholders(gm.graph)
     if fake_mode is None or any(facts.example_value(n) is None for n in placeholders):
-        raise RuntimeError("piecewise backend: the graph has no fake example values; it must come from "
+        raise RuntimeError("piecewise: the graph has no fake example values; it must come from "
                            "torch.compile (Dynamo), not be called directly on an FX graph.")
     if any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
         _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
     if config.capture_kv_writes:  # inputs the graph may write itself are used in place (in_place_writes.py,
-        steps = facts.step_symbols(gm.graph)  # and caches written like buffers: decode/kv_writes.py)
+        steps = facts.step_symbols(gm.graph)  # and caches written like buffers: rewrite/kv_writes.py)
         static_names |= written_in_place(gm.graph, steps) | kv_written_inputs(gm.graph, steps)
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
@@ -136,8 +137,7 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 def _log_built(graph: CompiledGraph, plan: GraphPlan, config: PiecewiseConfig) -> None:
     stats, pieces = graph.stats, plan.split.pieces
-    devices = {v.device.type for i, v in enumerate(plan.inputs.fake_inputs)
-               if isinstance(v, torch.Tensor) and i not in plan.inputs.python_scalars}
+    devices = plan.inputs.devices
     if plan.graphs_disabled_reason is not None and "cuda" in devices and len(devices) > 1:
         # a CUDA model with a stray input elsewhere (a CPU counter in a cache object): the user did not
         # ask for eager, so say it loudly (a CPU-only model is un-graphed by nature: no warning)

@@ -14,7 +14,7 @@ from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
 
 CAPTURE_SCHEMES = ("default", "powers_of_two")
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # names for eager_sdpa_backends
-MODES = ("piecewise", "full")
+SPLIT_MODES = ("piecewise", "full")  # options["mode"]: where the graph is split
 
 
 def scheme_sizes(scheme: str, max_size: int) -> tuple[int, ...]:
@@ -29,7 +29,7 @@ def scheme_sizes(scheme: str, max_size: int) -> tuple[int, ...]:
     elif scheme == "powers_of_two":
         sizes = {1 << i for i in range(max_size.bit_length())}
     else:
-        raise ValueError(f"piecewise backend: unknown capture scheme {scheme!r}; use one of "
+        raise ValueError(f"piecewise: unknown capture scheme {scheme!r}; use one of "
                          f"{', '.join(map(repr, CAPTURE_SCHEMES))} or a list of sizes.")
     return tuple(sorted(s for s in sizes | {max_size} if s <= max_size))
 
@@ -87,7 +87,7 @@ class PiecewiseConfig:
             search's reordered static cache) stay un-graphed. The user's tensors are never written.
         capture_kv_writes: move writes like ``cache[:B, :, pos:pos + S] = k`` (a buffer written at a
             per-step Python-int position) into the captured graphs, with the position read from a
-            device tensor the graph refreshes once per call (see ``decode/kv_writes.py``). Off,
+            device tensor the graph refreshes once per call (see ``rewrite/kv_writes.py``). Off,
             they run eagerly between replays, two kernel launches per layer.
         graph_attention: replace decode SDPA over a growing prefix of a cache buffer
             (``sdpa(q, k_cache[:B, :, :pos + 1], ...)``, one query position) with a graph-safe
@@ -156,26 +156,26 @@ class PiecewiseConfig:
             close = {u: difflib.get_close_matches(u, fields, n=1) for u in unknown}
             hints = "".join(f" Did you mean {m[0]!r} for {u!r}?" for u, m in close.items() if m)
             raise ValueError(
-                f"piecewise backend: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
+                f"piecewise: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
         for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "defer_captures", "capture_kv_writes",
                     "graph_attention"):
             if key in options and not isinstance(options[key], bool):
-                raise TypeError(f"piecewise backend: option {key!r} must be True or False, got {options[key]!r}.")
+                raise TypeError(f"piecewise: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:
             _check_int(options["warmup_runs"], "warmup_runs", minimum=0)
         if "max_weight_sets" in options:
             _check_int(options["max_weight_sets"], "max_weight_sets", minimum=1)
-        if options.get("mode", "piecewise") not in MODES:
-            raise ValueError(f"piecewise backend: option 'mode' must be one of {', '.join(map(repr, MODES))}, "
+        if options.get("mode", "piecewise") not in SPLIT_MODES:
+            raise ValueError(f"piecewise: option 'mode' must be one of {', '.join(map(repr, SPLIT_MODES))}, "
                              f"got {options['mode']!r}.")
         for key in ("splitting_ops", "extra_splitting_ops"):
             if key in options:
                 value = options[key]
                 if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):
                     raise TypeError(
-                        f"piecewise backend: option {key!r} must be a list of op names like "
+                        f"piecewise: option {key!r} must be a list of op names like "
                         f"['mylib::paged_attention'], got {value!r}."
                     )
                 options[key] = validate_op_names(tuple(value), key)
@@ -193,17 +193,17 @@ class PiecewiseConfig:
 
 def _check_int(value, key: str, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"piecewise backend: option {key!r} must be an int >= {minimum}"
+        raise ValueError(f"piecewise: option {key!r} must be an int >= {minimum}"
                          f"{' ' + hint if hint else ''}, got {value!r}.")
 
 
 def _size_list(value, key: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset, range)):
-        raise TypeError(f"piecewise backend: option {key!r} must be a list of batch sizes like [1, 2, 4, 8], "
+        raise TypeError(f"piecewise: option {key!r} must be a list of batch sizes like [1, 2, 4, 8], "
                         f"got {value!r}.")
     bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
-        raise ValueError(f"piecewise backend: option {key!r} holds {bad!r}; sizes must be ints >= 1.")
+        raise ValueError(f"piecewise: option {key!r} holds {bad!r}; sizes must be ints >= 1.")
     return tuple(sorted(set(value)))
 
 
@@ -218,10 +218,10 @@ def _check_sizes(options: dict) -> None:
     else:
         resolved = _size_list(sizes, "capture_sizes")
         if not resolved:
-            raise ValueError("piecewise backend: option 'capture_sizes' is empty; give at least one size, "
+            raise ValueError("piecewise: option 'capture_sizes' is empty; give at least one size, "
                              "or set cudagraphs=False for no graphs.")
         if max_size is not None and max_size != resolved[-1]:
-            raise ValueError(f"piecewise backend: max_capture_size={max_size} contradicts capture_sizes "
+            raise ValueError(f"piecewise: max_capture_size={max_size} contradicts capture_sizes "
                              f"(largest {resolved[-1]}); with a list, leave max_capture_size out.")
         options["capture_sizes"] = resolved
     eager = options.get("eager_capture_sizes", ())
@@ -229,11 +229,11 @@ def _check_sizes(options: dict) -> None:
         return
     eager = _size_list(eager, "eager_capture_sizes") if not isinstance(eager, str) else None
     if eager is None:
-        raise ValueError(f"piecewise backend: option 'eager_capture_sizes' must be a list of capture "
+        raise ValueError(f"piecewise: option 'eager_capture_sizes' must be a list of capture "
                          f"sizes or 'all', got {options['eager_capture_sizes']!r}.")
     missing = [s for s in eager if s not in resolved]
     if missing:
-        raise ValueError(f"piecewise backend: eager_capture_sizes {missing} are not capture sizes; "
+        raise ValueError(f"piecewise: eager_capture_sizes {missing} are not capture sizes; "
                          f"capture sizes are {_short(resolved)}.")
     options["eager_capture_sizes"] = eager
 
@@ -247,6 +247,6 @@ def _sdpa_backends(value):
         return value
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or any(n not in SDPA_BACKENDS for n in names):
-        raise ValueError(f"piecewise backend: option 'eager_sdpa_backends' must be 'auto', 'torch' or a non-empty "
+        raise ValueError(f"piecewise: option 'eager_sdpa_backends' must be 'auto', 'torch' or a non-empty "
                          f"list of {', '.join(map(repr, SDPA_BACKENDS))}; got {value!r}.")
     return tuple(dict.fromkeys(names))

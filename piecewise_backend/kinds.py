@@ -23,7 +23,7 @@ class _Text(str, enum.Enum):
 
 
 class PieceKind(_Text):
-    """What a piece of the split graph is (``splitting.py``)."""
+    """What a piece of the split graph is (``split/splitting.py``)."""
 
     COMPUTE = "compute"  # compiled with Inductor, replayed from CUDA graphs
     SPLIT = "split"  # holds a splitting op (attention): runs eagerly between the replays
@@ -45,4 +45,5 @@ class CaptureHow(_Text):
     """How a shape key came to be captured (``CaptureEvent.how``)."""
 
     LAZY = "lazy"  # the first call at that size captured it
-    EAGER = "eager"  # up front: eager_capture_sizes or capture()
+    UP_FRONT = "up-front"  # before a call needed it: eager_capture_sizes or capture()
+    EAGER = "up-front"  # the old name, an alias ("eager" means un-graphed: PieceKind.EAGER)

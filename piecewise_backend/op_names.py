@@ -24,7 +24,7 @@ DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
     "aten::_scaled_dot_product_flash_attention_for_cpu",
 )
 
-#: The graph-safe decode attention the decode rewrite puts in graphs (``decode/graph_attention.py``).
+#: The graph-safe decode attention the decode rewrite puts in graphs (``rewrite/graph_attention.py``).
 GRAPH_ATTENTION_OP = "piecewise::prefix_attention"
 
 # Python-level callables that are the same op as an aten op (Dynamo records the callable).

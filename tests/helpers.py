@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from piecewise_backend.config import PiecewiseConfig
-from piecewise_backend.splitting import split_graph
+from piecewise_backend.split.splitting import split_graph
 from toys.models import decode_loop, reset_caches
 
 

@@ -54,7 +54,7 @@ def test_a_cpu_input_of_a_cuda_graph_is_named_with_the_fix():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from piecewise_backend.config import PiecewiseConfig
-    from piecewise_backend.plan import graphs_disabled_reason
+    from piecewise_backend.plan.making import graphs_disabled_reason
 
     with FakeTensorMode():
         hidden, counter = torch.empty(2, 8, device="cuda"), torch.empty((), dtype=torch.int64)

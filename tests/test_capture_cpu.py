@@ -66,7 +66,7 @@ def test_a_bucket_near_a_captured_size_rides_it_rather_than_capturing(padded_run
 def test_eager_sizes_captured_largest_first_before_the_first_output(padded_run):
     for graph in padded_run[1]:
         events = graph.stats.events
-        assert [(e.key, e.how, e.call) for e in events[:2]] == [((8,), "eager", 1), ((2,), "eager", 1)]
+        assert [(e.key, e.how, e.call) for e in events[:2]] == [((8,), "up-front", 1), ((2,), "up-front", 1)]
         assert [(e.key, e.how) for e in events[2:]] == []
 
 
@@ -88,7 +88,7 @@ def _assert_copies_per_step(graphs, per_step: int):
 
 def test_padded_replays_copy_only_what_changed(padded_run):
     # per step: token ids into the first piece, each attention output into the next piece; the
-    # RoPE rows at this step's position are gathered inside the graphs (decode/rope_reads.py);
+    # RoPE rows at this step's position are gathered inside the graphs (rewrite/rope_reads.py);
     # the outputs of one piece feed the next in place (no copy)
     _assert_copies_per_step(padded_run[1], 1 + CFG.layers)
 
@@ -176,7 +176,7 @@ def test_explicit_capture_and_its_errors():
         assert graph.capture([8, 4, 2]) == [(8,), (4,)]  # 2 was captured by the call
         assert_results_close(decode_at_sizes(compiled, reference, (7, 4), start_pos=2))
     assert graph.captured == {(2,), (4,), (8,)}
-    assert [e.how for e in graph.stats.events] == ["lazy", "eager", "eager"]
+    assert [e.how for e in graph.stats.events] == ["lazy", "up-front", "up-front"]
 
 
 def test_capture_on_a_graph_without_dynamic_batch_says_what_to_do():
@@ -197,7 +197,7 @@ def test_full_mode_static_cache_is_one_piece_and_right_at_every_size():
     for graph in graphs_since(start):
         assert graph.stats.num_pieces == 1 and graph.stats.num_compute_pieces == 1
     for graph in _padded_graphs(start):
-        # its index_copy_ cache writes replay masked to the caller's rows (decode/kv_writes.py), so it pads
+        # its index_copy_ cache writes replay masked to the caller's rows (rewrite/kv_writes.py), so it pads
         assert "padded" in graph.stats.padding and graph.captured <= {(2,), (4,), (8,)}
         assert graph.stats.replays > 0
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
@@ -222,7 +222,7 @@ def test_a_deep_one_piece_step_compiles_each_distinct_layer_once_and_runs_as_one
 
 
 def test_a_piece_that_cannot_be_cut_into_layers_is_compiled_whole_and_says_so(monkeypatch, caplog):
-    from piecewise_backend import layer_chain
+    from piecewise_backend.compiling import layer_chain
 
     def fails(*args, **kwargs):
         raise KeyError("s86")  # what split_module raised on the H200 for a symbol no node binds

@@ -6,7 +6,7 @@ import torch
 from piecewise_backend import PiecewiseConfig
 from piecewise_backend.kinds import Miss
 from piecewise_backend.runtime import capture_deferral, capture_traffic, memory_estimate
-from piecewise_backend.runtime.capture_policy import CapturePolicy, Plan
+from piecewise_backend.runtime.capture_policy import CapturePolicy, Route
 from piecewise_backend.runtime.capture_traffic import CaptureTraffic
 from piecewise_backend.runtime.memory_estimate import GraphMemoryEstimate, fit
 from piecewise_backend.config import scheme_sizes
@@ -63,86 +63,86 @@ def test_bucket_is_the_next_capture_size():
 
 def test_plan_pads_captures_and_misses():
     policy = _policy(capture_sizes=[2, 4, 8])
-    assert policy.plan((3,), set(), lambda: 0) == policy.plan((3,), set(), lambda: 0)
-    plan = policy.plan((3,), set(), lambda: 0)
-    assert (plan.key, plan.size, plan.padded, plan.capture) == ((4,), 3, True, True)
-    plan = policy.plan((3,), {(4,)}, lambda: 0)
-    assert (plan.key, plan.padded, plan.capture) == ((4,), True, False)
-    assert policy.plan((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
+    assert policy.route((3,), set(), lambda: 0) == policy.route((3,), set(), lambda: 0)
+    route = policy.route((3,), set(), lambda: 0)
+    assert (route.key, route.size, route.padded, route.capture) == ((4,), 3, True, True)
+    route = policy.route((3,), {(4,)}, lambda: 0)
+    assert (route.key, route.padded, route.capture) == ((4,), True, False)
+    assert policy.route((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
 
 
 def test_pad_position_leaves_other_dynamic_sizes_exact():
     policy = _policy(pad_position=1, capture_sizes=[2, 4, 8])
-    assert policy.plan((17, 3), set(), lambda: 0).key == (17, 4)
+    assert policy.route((17, 3), set(), lambda: 0).key == (17, 4)
 
 
 def test_lazy_off_pads_to_the_smallest_captured_size():
     policy = _policy(capture_sizes=[2, 4, 8], lazy_capture=False)
-    assert policy.plan((3,), {(8,)}, lambda: 0).key == (8,)
-    assert policy.plan((3,), {(2,)}, lambda: 0).miss == Miss.NOT_CAPTURED
+    assert policy.route((3,), {(8,)}, lambda: 0).key == (8,)
+    assert policy.route((3,), {(2,)}, lambda: 0).miss == Miss.NOT_CAPTURED
 
 
 def test_refused_padding_captures_each_size_as_it_is():
     policy = _policy(no_padding="x.sum(0) reduces over the batch", capture_sizes=[2, 4, 8])
-    plan = policy.plan((3,), set(), lambda: 0)
-    assert plan.capture and plan.key == (3,) and not plan.padded
-    assert policy.plan((3,), {(3,)}, lambda: 0) == Plan((3,), 3)
-    assert policy.plan((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
+    route = policy.route((3,), set(), lambda: 0)
+    assert route.capture and route.key == (3,) and not route.padded
+    assert policy.route((3,), {(3,)}, lambda: 0) == Route((3,), 3)
+    assert policy.route((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
 
 
 def test_padding_false_serves_capture_sizes_only():
     policy = _policy(padding=False, capture_sizes=[2, 4, 8])
-    plan = policy.plan((3,), set(), lambda: 0)
-    assert plan.miss == Miss.NOT_A_CAPTURE_SIZE and "padding=False" in plan.detail
-    assert policy.plan((4,), set(), lambda: 0).capture
+    route = policy.route((3,), set(), lambda: 0)
+    assert route.miss == Miss.NOT_A_CAPTURE_SIZE and "padding=False" in route.detail
+    assert policy.route((4,), set(), lambda: 0).capture
 
 
 def test_budget_refuses_by_count_and_by_measured_bytes():
     policy = _policy(capture_sizes=[2, 4, 8], max_captured_sizes=1)
-    plan = policy.plan((4,), {(2,)}, lambda: 0)
-    assert plan.miss == Miss.OVER_BUDGET and "max_captured_sizes=1" in plan.detail
+    route = policy.route((4,), {(2,)}, lambda: 0)
+    assert route.miss == Miss.OVER_BUDGET and "max_captured_sizes=1" in route.detail
 
     policy = _policy(capture_sizes=[2, 4, 8], max_graph_memory=100 * 2**20)
-    assert policy.plan((2,), set(), lambda: 0).capture  # nothing measured yet: allowed
+    assert policy.route((2,), set(), lambda: 0).capture  # nothing measured yet: allowed
     policy.budget.record(2, 30 * 2**20)  # size 2 grew the pool by 30 MiB: 15 MiB per row
-    assert policy.plan((4,), {(2,)}, lambda: 30 * 2**20).capture  # 30 + 60 <= 100
-    plan = policy.plan((8,), {(2,), (4,)}, lambda: 90 * 2**20)  # 90 + 120 > 100
-    assert plan.miss == Miss.OVER_BUDGET and "90.0 MiB" in plan.detail and "100.0 MiB" in plan.detail
+    assert policy.route((4,), {(2,)}, lambda: 30 * 2**20).capture  # 30 + 60 <= 100
+    route = policy.route((8,), {(2,), (4,)}, lambda: 90 * 2**20)  # 90 + 120 > 100
+    assert route.miss == Miss.OVER_BUDGET and "90.0 MiB" in route.detail and "100.0 MiB" in route.detail
 
 
 def test_new_shapes_stop_being_captured_while_earlier_ones_never_replayed():
     policy = CapturePolicy(PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "max_unreplayed_captures": 3}),
                            0, None, symbols=("s0", "s1"))
     captured = {(2, 5), (2, 6), (2, 7)}
-    assert policy.plan((2, 8), captured, lambda: 0, unreplayed={(2, 6), (2, 7)}).capture  # 2 < 3: captures
-    plan = policy.plan((2, 8), captured, lambda: 0, unreplayed=captured)
-    assert plan.key is None and plan.miss == Miss.NEVER_REPLAYED
-    assert "3 shapes captured were never replayed" in plan.detail and "s1 (5, 6, 7, 8)" in plan.detail
-    assert "s0" not in plan.detail  # the batch did not change
-    assert policy.plan((2, 5), captured, lambda: 0, unreplayed=captured).key == (2, 5)  # captured: replays
+    assert policy.route((2, 8), captured, lambda: 0, unreplayed={(2, 6), (2, 7)}).capture  # 2 < 3: captures
+    route = policy.route((2, 8), captured, lambda: 0, unreplayed=captured)
+    assert route.key is None and route.miss == Miss.NEVER_REPLAYED
+    assert "3 shapes captured were never replayed" in route.detail and "s1 (5, 6, 7, 8)" in route.detail
+    assert "s0" not in route.detail  # the batch did not change
+    assert policy.route((2, 5), captured, lambda: 0, unreplayed=captured).key == (2, 5)  # captured: replays
     assert policy.admit((2, 9), captured, lambda: 0).capture  # up front (capture()): not limited
     unlimited = _policy(capture_sizes=[2, 4, 8], max_unreplayed_captures=None)
-    assert unlimited.plan((2, 8), captured, lambda: 0, unreplayed=captured).capture
+    assert unlimited.route((2, 8), captured, lambda: 0, unreplayed=captured).capture
 
 
 def test_a_new_size_rides_a_larger_captured_graph_until_it_has_come_often_enough():
     policy = _policy(capture_sizes=[2, 4, 8, 16, 32])
-    near = [policy.plan((12,), {(32,)}, lambda: 0) for _ in range(capture_deferral.NEAR_CALLS)]
+    near = [policy.route((12,), {(32,)}, lambda: 0) for _ in range(capture_deferral.NEAR_CALLS)]
     # bucket 16 rides 32 (within 2x) and waits; its NEAR_CALLS-th call captures it
     assert {(p.key, p.size, p.padded, p.waiting, p.capture) for p in near[:-1]} == {((32,), 12, True, (16,), False)}
     assert (near[-1].key, near[-1].capture, near[-1].waiting) == ((16,), True, None)
-    far = [policy.plan((3,), {(16,), (32,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
+    far = [policy.route((3,), {(16,), (32,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
     # bucket 4 would ride 16, 4x its size: captured at its FAR_CALLS-th call
     assert {(p.key, p.waiting) for p in far[:-1]} == {((16,), (4,))} and far[-1].capture and far[-1].key == (4,)
-    first = policy.plan((40,), {(16,)}, lambda: 0)
+    first = policy.route((40,), {(16,)}, lambda: 0)
     assert first.miss == Miss.ABOVE_MAX  # 40 > 32
-    first = policy.plan((7,), {(4,)}, lambda: 0)  # nothing larger captured: captured at once, as before
+    first = policy.route((7,), {(4,)}, lambda: 0)  # nothing larger captured: captured at once, as before
     assert first.capture and first.key == (8,)
 
 
 def test_a_refused_capture_rides_a_larger_graph_instead_of_running_ungraphed():
     policy = _policy(capture_sizes=[2, 4, 8, 16], max_captured_sizes=1)
-    plans = [policy.plan((3,), {(16,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
+    plans = [policy.route((3,), {(16,)}, lambda: 0) for _ in range(capture_deferral.FAR_CALLS)]
     refused = plans[-1]
     assert (refused.key, refused.padded, refused.capture, refused.miss) == ((16,), True, False, Miss.OVER_BUDGET)
     assert refused.wanted == (4,) and "max_captured_sizes=1" in refused.detail
@@ -151,7 +151,7 @@ def test_a_refused_capture_rides_a_larger_graph_instead_of_running_ungraphed():
 def test_sizes_that_differ_only_in_the_padded_size_are_not_churn():
     policy = _policy(capture_sizes=[2, 4, 8, 16], max_unreplayed_captures=2)
     unreplayed = {(2,), (4,), (8,)}  # a serving engine's token counts: at most len(capture_sizes) of them
-    assert policy.plan((16,), unreplayed, lambda: 0, unreplayed=unreplayed).capture
+    assert policy.route((16,), unreplayed, lambda: 0, unreplayed=unreplayed).capture
 
 
 def test_a_refused_size_that_keeps_coming_replaces_the_least_used_captured_one():
@@ -191,7 +191,7 @@ def _pool_events(order, fixed=10 * 2**20, per_row=2**17, own=400 * 2**10):
     """Capture events of a pool that holds, after the sizes ``order`` were captured in that order,
     what the largest of them needs while it runs (``fixed + per_row * rows``) plus each size's own
     bytes: the physics ``memory_estimate`` assumes (measured on the H200's serving engine)."""
-    from piecewise_backend.stats import CaptureEvent
+    from piecewise_backend.runtime.stats import CaptureEvent
 
     events, before = [], 0
     for i, size in enumerate(order):

@@ -54,7 +54,7 @@ def test_every_size_up_to_max_plus_10_matches_eager(every_size):
 
 
 def test_kv_writes_in_the_graphs_leave_the_cache_as_eager_does(every_size):
-    # decode/kv_writes.py: the writes replay inside the compute pieces, padded rows masked
+    # rewrite/kv_writes.py: the writes replay inside the compute pieces, padded rows masked
     graphs = [g for g in every_size[1] if g.pad_position is not None and g.stats.calls > 1]
     assert graphs and all(g.step_scalars is not None for g in graphs)
     compiled, reference = every_size[3], every_size[4]
@@ -83,7 +83,7 @@ def test_eager_sizes_are_captured_before_the_first_output(every_size):
         if graph.pad_position is None:
             continue
         first = [(e.key, e.how, e.call) for e in graph.stats.events[:2]]
-        assert first == [((MAX,), "eager", 1), ((2,), "eager", 1)], graph.stats.table()
+        assert first == [((MAX,), "up-front", 1), ((2,), "up-front", 1)], graph.stats.table()
 
 
 def test_one_info_line_per_capture(every_size):

@@ -31,7 +31,7 @@ def _switches() -> dict:
 def _probe_attention_pieces(graph) -> list:
     """Record the switches each time an eager attention piece of ``graph`` runs."""
     seen = []
-    gm = graph.split.graph_module
+    gm = graph.split_module  # the copy whose pieces the compiled graph calls
     for spec in graph.pieces:
         if spec.kind == PieceKind.SPLIT:
             run = gm.__dict__[spec.name]
@@ -72,7 +72,7 @@ def test_auto_leaves_torch_to_choose_where_kv_lengths_are_fixed(torch_defaults):
     """The static cache is attended whole: one shape per batch size, which cuDNN plans once (kept eager
     here: by default such attention is compiled with its piece)."""
     graph, seen = _decode_and_probe(ToyStaticCacheLlama, SPLIT_ATTENTION, static_cache=True)
-    assert graph.plan.sdpa_backends is None and graph.stats.eager_sdpa == ""
+    assert graph.plan.sdpa_choice is None and graph.stats.eager_sdpa == ""
     assert seen and all(s["cudnn"] for s in seen), seen
 
 
@@ -81,12 +81,12 @@ def test_auto_leaves_the_switches_alone_on_a_cpu_graph(torch_defaults):
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 3)))
     graph = busiest_graph(start)
-    assert graph.plan.sdpa_backends is None and "cuDNN" not in graph.stats.summary(), graph.stats.summary()
+    assert graph.plan.sdpa_choice is None and "cuDNN" not in graph.stats.summary(), graph.stats.summary()
 
 
 def test_torch_option_leaves_the_switches_alone(torch_defaults):
     graph, seen = _decode_and_probe(ToyLlama, {**SPLIT_ATTENTION, "eager_sdpa_backends": "torch"})
-    assert graph.plan.sdpa_backends is None and seen and all(s["cudnn"] for s in seen)
+    assert graph.plan.sdpa_choice is None and seen and all(s["cudnn"] for s in seen)
 
 
 def test_a_list_enables_exactly_those_backends_during_the_call(torch_defaults):

@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from piecewise_backend.decode.graph_attention import prefix_attention
-from piecewise_backend.decode.step_scalars import StepScalars
+from piecewise_backend.ops.prefix_attention import prefix_attention
+from piecewise_backend.rewrite.step_scalars import StepScalars
 from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \
@@ -70,8 +70,8 @@ def test_prefix_attention_takes_a_mask_over_the_buffer(device, per, kind):
 @pytest.mark.parametrize("kernel", ["split_key_triton", "efficient_varlen"])
 @pytest.mark.parametrize("buffer_len,length", PREFIXES)
 def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, length):
-    from piecewise_backend.decode import kernel as decode_kernel
-    from piecewise_backend.decode.graph_attention import _efficient_prefix_attention
+    from piecewise_backend.ops import kernel as decode_kernel
+    from piecewise_backend.ops.prefix_attention import _efficient_prefix_attention
 
     if kernel == "split_key_triton" and not decode_kernel.available():
         pytest.skip("Triton is not installed")
@@ -88,7 +88,7 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
 
 INTERPRETED_CHECK = """
 import torch, torch.nn.functional as F
-from piecewise_backend.decode import kernel as decode_kernel
+from piecewise_backend.ops import kernel as decode_kernel
 g = torch.Generator().manual_seed(0)
 cases = [(1, 4, 300, 64, 1), (1, 4, 300, 64, 65), (2, 3, 130, 32, 130), (3, 2, 40, 48, 17), (1, 16, 304, 64, 280),
          (4, 16, 200, 64, 131), (20, 16, 150, 32, 150),  # blocks of 64 and of 128 keys

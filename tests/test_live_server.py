@@ -260,7 +260,7 @@ def test_a_piece_whose_compiled_code_raises_runs_its_traced_code_and_says_so():
     runner.fn = broken
     runner.captures.clear()  # the next call captures again, through the broken code
     graph.captured.clear()
-    graph._plans.clear()
+    graph._routes.clear()
     with pytest.warns(UserWarning, match="compiled code raised NameError.*runs that"):
         out = compiled(x)
     torch.testing.assert_close(out, model(x))

@@ -2,7 +2,7 @@
 
 :class:`WholeCacheLlama`: caches sized to the batch, ``copy_`` writes, attention over every row of
 the cache, RoPE gathered by ``arange(t, t + S)``. The decode rewrite takes all three into the graphs
-(``decode/kv_writes.py``, ``graph_attention.py``, ``step_ranges.py``): a decode step is one graph.
+(``rewrite/kv_writes.py``, ``graph_attention.py``, ``step_ranges.py``): a decode step is one graph.
 With ``graph_attention=False`` its attention runs eagerly between the graphs, and
 ``eager_sdpa_backends="auto"`` keeps cuDNN attention off there (the KV length changes every step).
 """

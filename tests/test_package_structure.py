@@ -21,15 +21,16 @@ def _package_of(name: str, path: pathlib.Path) -> str:
     return name if path.name == "__init__.py" else name.rpartition(".")[0]
 
 
-def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
-    """Modules of the package that ``path`` imports (at any level, type-checking imports left out)."""
+def _imports(path: pathlib.Path, known: set[str], type_only: bool = False) -> set[str]:
+    """Modules of the package that ``path`` imports (at any level; type-checking imports only with
+    ``type_only``: they make no cycle, but they do couple layers)."""
     name = _module_name(path)
     tree = ast.parse(path.read_text())
-    type_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+    type_only_nodes = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                  and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
     out = set()
     for node in ast.walk(tree):
-        if id(node) in type_only:
+        if id(node) in type_only_nodes and not type_only:
             continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name in known}
@@ -45,9 +46,9 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     return {m for m in out if m in known and m != name}
 
 
-def _graph() -> dict[str, set[str]]:
+def _graph(type_only: bool = False) -> dict[str, set[str]]:
     known = {_module_name(p) for p in MODULES}
-    return {_module_name(p): _imports(p, known) for p in MODULES}
+    return {_module_name(p): _imports(p, known, type_only) for p in MODULES}
 
 
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -132,3 +133,84 @@ def test_every_package_folder_is_a_package():
     """``setup.cfg``'s ``find:`` ships only folders with an ``__init__.py``: a missing one drops its modules."""
     folders = {p.parent for p in MODULES}
     assert not [str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").exists()]
+
+
+# -- the layout: the folder tree is the pipeline ----------------------------------------------------
+
+#: Root modules every stage may import: the vocabulary the whole package speaks.
+SHARED = {"_torch_internals", "kinds", "op_names", "config"}
+#: What each stage folder may import besides itself and ``SHARED`` (``backend.py``'s order: rewrite →
+#: split → compiling → plan → runtime). Run time imports only the plan's types and ``ops/``; compile
+#: time never imports run time.
+LAYERS = {
+    "fx": set(),
+    "ops": set(),
+    "rewrite": {"fx", "ops"},
+    "split": {"fx"},
+    "compiling": {"fx", "split"},
+    "plan": {"fx", "ops", "rewrite", "split", "compiling"},
+    "runtime": {"ops", "plan.types"},
+    "observe": {"runtime", "registry"},
+}
+#: Root modules that may import any stage: the pipeline itself, the registry of compiled graphs,
+#: the package's front door and its demo.
+TOP = {"backend", "registry", "", "__main__"}
+
+
+def _where(module: str) -> str:
+    """The stage folder (or root module) a module of the package belongs to."""
+    parts = module.split(".")[1:]
+    return parts[0] if parts else ""
+
+
+def layering_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import that crosses the layers the wrong way."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        here = _where(module)
+        if here in TOP:
+            continue
+        allowed = LAYERS.get(here, set())  # a shared module: nothing but the other shared ones
+        for target in sorted(imported):
+            there = _where(target)
+            inside = target.removeprefix("piecewise_backend.")
+            if there in (here, *SHARED) or there in allowed or inside in allowed:
+                continue
+            found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_package_root_holds_at_most_eight_modules_besides_the_stage_folders():
+    root = sorted(p.name for p in PACKAGE.glob("*.py"))
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert len(root) <= 8, root
+    assert set(folders) == set(LAYERS), folders  # every folder has its place in the layering
+
+
+def test_each_stage_folder_says_what_it_takes_and_gives():
+    for folder in LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / folder / "__init__.py").read_text())) or ""
+        assert "Takes" in doc and "gives" in doc, f"{folder}/__init__.py: {doc[:80]!r}"
+
+
+def test_no_import_crosses_the_layers_the_wrong_way():
+    graph = _graph(type_only=True)
+    assert "piecewise_backend.plan.types" in graph["piecewise_backend.runtime.compiled_graph"]  # edges seen
+    assert layering_violations(graph) == []
+
+
+def test_the_layering_check_refuses_a_runtime_module_that_imports_compile_time():
+    """What the check would say if ``runtime/`` reached back into compile time, or the plan into run time."""
+    graph = {"piecewise_backend.runtime.piece_runner": {"piecewise_backend.plan.types",
+                                                        "piecewise_backend.split.splitting"},
+             "piecewise_backend.plan.making": {"piecewise_backend.runtime.distributed",
+                                               "piecewise_backend.rewrite.graph_attention"},
+             "piecewise_backend.runtime.compiled_graph": {"piecewise_backend.plan.making",
+                                                          "piecewise_backend.ops.prefix_attention"},
+             "piecewise_backend.op_names": {"piecewise_backend.fx.graph_facts"}}
+    assert layering_violations(graph) == [
+        "piecewise_backend.op_names -> piecewise_backend.fx.graph_facts",
+        "piecewise_backend.plan.making -> piecewise_backend.runtime.distributed",
+        "piecewise_backend.runtime.compiled_graph -> piecewise_backend.plan.making",
+        "piecewise_backend.runtime.piece_runner -> piecewise_backend.split.splitting",
+    ]

@@ -1,4 +1,4 @@
-"""KV-cache writes at a per-step position, moved into the captured compute pieces (decode/kv_writes.py).
+"""KV-cache writes at a per-step position, moved into the captured compute pieces (rewrite/kv_writes.py).
 
 On CPU with emulated graphs: the writes leave the eager pieces, the cache ends up exactly as eager
 leaves it (padded rows written back unchanged), up-front capture writes nothing, an out-of-range
@@ -10,8 +10,8 @@ import warnings
 import pytest
 import torch
 
-from piecewise_backend.decode import PLACEHOLDER
-from piecewise_backend.splitting import COMPUTE
+from piecewise_backend.rewrite import PLACEHOLDER
+from piecewise_backend.split.splitting import COMPUTE
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
@@ -153,7 +153,7 @@ def test_full_mode_index_copy_writes_are_masked_so_up_front_capture_is_safe():
     _assert_caches_equal(compiled._orig_mod, reference)  # up-front captures and padded rows wrote nothing
     graph = _decode_graph(start)
     assert graph.step_scalars is not None and graph.can_capture_up_front and "padded" in graph.stats.padding
-    assert [e.how for e in graph.stats.events][:2] == ["eager", "eager"]
+    assert [e.how for e in graph.stats.events][:2] == ["up-front", "up-front"]
 
 
 def test_full_mode_refuses_up_front_capture_for_writes_it_cannot_mask():

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piecewise_backend.splitting import COMPUTE
+from piecewise_backend.split.splitting import COMPUTE
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from piecewise_backend.splitting import COMPUTE, EAGER, SPLIT
+from piecewise_backend.split.splitting import COMPUTE, EAGER, SPLIT
 from toys.models import ToyConfig, ToyCustomAttentionLlama, ToyGPT, ToyLlama, init_weights_
 
 from .helpers import split_only
@@ -118,8 +118,8 @@ def test_cutting_a_piece_at_attention_lifts_an_input_symbol_no_node_holds(unread
     split drops scalar inputs no node reads): cut layer by layer, the chain takes that symbol as an
     input of its own, read from the tensor. On the H200 (transformers 5.17, a sliding-window cache
     view) ``split_module`` raised ``KeyError: s86``; a ``sym_size`` node instead made a cycle."""
-    from piecewise_backend import layer_chain
-    from piecewise_backend.compiling import structural_key
+    from piecewise_backend.compiling import layer_chain
+    from piecewise_backend.compiling.piece_compiler import structural_key
 
     graphs = []
 

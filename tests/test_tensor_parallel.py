@@ -117,10 +117,10 @@ def test_ranks_agree_on_what_to_capture(two_ranks):
 
 
 def test_a_graph_without_collectives_decides_alone():
-    from piecewise_backend.runtime.distributed import collective_groups, rank_agreement
+    from piecewise_backend.plan.collectives import collective_groups
 
     graph = torch.fx.symbolic_trace(torch.nn.Linear(4, 4)).graph
-    assert collective_groups(graph) == [] and rank_agreement(graph) is None
+    assert collective_groups(graph) == []  # the plan names no groups: no RankAgreement at run time
 
 
 def test_a_capture_that_fails_on_one_rank_is_given_up_on_both(tmp_path):

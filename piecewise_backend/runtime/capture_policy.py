@@ -1,8 +1,8 @@
-"""Which captured graph serves a call: capture sizes, padding, lazy vs eager capture, a budget.
+"""Which captured graph serves a call: capture sizes, padding, lazy vs up-front capture, a budget.
 
 The seed RFC's trade-off: capturing every size up front costs seconds and memory nobody planned
 for; capturing lazily makes latency and memory unpredictable. So every knob is explicit and this
-module turns them into one :class:`Plan` per call, which the stitched graph caches per shape key (a
+module turns them into one :class:`Route` per call, which the stitched graph caches per shape key (a
 decode loop pays one dict lookup per step for it).
 """
 
@@ -18,8 +18,8 @@ from .distributed import RankAgreement, agreed_refusal
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """What one call does.
+class Route:
+    """What one call does: which captured graph it replays or captures, or why it runs un-graphed.
 
     Attributes:
         key: shape key of the graphs to replay or capture (batch size rounded up to a capture size);
@@ -31,9 +31,9 @@ class Plan:
         detail: the reason with its numbers, for people.
         wanted: the key a refused capture would have captured (``capture_traffic.py`` counts it).
         waiting: the bucket key this call's size waits to have captured while it rides ``key``, a
-            larger captured graph (``capture_deferral.py``); such a plan is made anew at each call.
+            larger captured graph (``capture_deferral.py``); such a route is made anew at each call.
 
-    A plan with a ``key`` and a ``miss`` replays ``key`` padded: the size's own capture was refused
+    A route with a ``key`` and a ``miss`` replays ``key`` padded: the size's own capture was refused
     (``miss`` says why) and a larger captured graph serves it rather than an un-graphed run.
     """
 
@@ -90,7 +90,7 @@ class CaptureBudget:
 
 
 class CapturePolicy:
-    """Turns a call's shape key into a :class:`Plan`.
+    """Turns a call's shape key into a :class:`Route`.
 
     Args:
         config: the validated options.
@@ -136,39 +136,39 @@ class CapturePolicy:
         p = self.pad_position
         return key[:p] + (size,) + key[p + 1:]
 
-    def plan(self, key: tuple, captured: set, pool_bytes, unreplayed: set = frozenset()) -> Plan:
-        """The plan for ``key`` given the keys already ``captured`` (``unreplayed``: those captured
+    def route(self, key: tuple, captured: set, pool_bytes, unreplayed: set = frozenset()) -> Route:
+        """The route for ``key`` given the keys already ``captured`` (``unreplayed``: those captured
         lazily and not replayed since).
 
         ``pool_bytes`` is a callable (measuring the pool costs a snapshot; only done when a memory
         cap exists and a capture is being considered).
         """
         if self.pad_position is None:
-            return Plan(key) if key in captured else self.admit(key, captured, pool_bytes, None, unreplayed)
+            return Route(key) if key in captured else self.admit(key, captured, pool_bytes, None, unreplayed)
         size = key[self.pad_position]
         rows = self.row_limit(key) if self.padding and self.row_limit is not None else None
         bucket = self.bucket(size, rows)
         if bucket is None:
             if size > self.sizes[-1]:
-                return Plan(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
+                return Route(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
             # reached only with padding=False: a graph whose padding the proof refused has exact sizes
-            return Plan(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: padding=False in options")
+            return Route(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: padding=False in options")
         bucket_key = self.with_size(key, bucket)
         if bucket_key in captured:
-            return Plan(bucket_key, size, padded=bucket != size)
+            return Route(bucket_key, size, padded=bucket != size)
         ride = self._ride(key, bucket, captured, rows)
         if not self.lazy:
             if ride is not None:
-                return Plan(ride, size, padded=True)
-            return Plan(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
+                return Route(ride, size, padded=True)
+            return Route(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
         if self.deferral is None or ride is None:
             return self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
         if not self.deferral.due(bucket_key, bucket, ride[self.pad_position]):
-            return Plan(ride, size, padded=True, waiting=bucket_key)
-        plan = self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
-        if plan.key is None:  # refused: the larger graph serves it, not an un-graphed run
-            return dataclasses.replace(plan, key=ride, padded=True)
-        return plan
+            return Route(ride, size, padded=True, waiting=bucket_key)
+        route = self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
+        if route.key is None:  # refused: the larger graph serves it, not an un-graphed run
+            return dataclasses.replace(route, key=ride, padded=True)
+        return route
 
     def _ride(self, key: tuple, bucket: int, captured: set, rows: int | None) -> tuple | None:
         """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""
@@ -183,8 +183,8 @@ class CapturePolicy:
         return None
 
     def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None,
-              unreplayed: set = frozenset()) -> Plan:
-        """Plan to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing
+              unreplayed: set = frozenset()) -> Route:
+        """Route to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing
         and unless too many shapes captured before were never replayed (:meth:`churn`)."""
         bucket = key[self.pad_position] if self.pad_position is not None else None
         size = bucket if size is None else size
@@ -195,9 +195,9 @@ class CapturePolicy:
                                  "another rank of this graph's collective group is over its capture budget; "
                                  "every rank skips this size so their collectives stay paired")
         if refusal:
-            return Plan(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal,
+            return Route(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal,
                         wanted=key)
-        return Plan(key, size, padded=bucket != size, capture=True)
+        return Route(key, size, padded=bucket != size, capture=True)
 
     def churn(self, key: tuple, unreplayed: set) -> str | None:
         """Why ``key`` is not captured when ``max_unreplayed_captures`` shapes captured lazily were

@@ -60,18 +60,18 @@ class CaptureTraffic:
         least = min(captured, key=lambda k: (self.calls(k), k))
         return least if calls > MARGIN * self.calls(least) else None
 
-    def replacement(self, plan, captured: set, policy, pool_bytes) -> tuple[bool, tuple | None]:
-        """Count a call's ``plan``. Returns (decide, victim): ``decide`` when this call is one where a
+    def replacement(self, route, captured: set, policy, pool_bytes) -> tuple[bool, tuple | None]:
+        """Count a call's ``route``. Returns (decide, victim): ``decide`` when this call is one where a
         replacement is considered (the same calls on every rank in lockstep), ``victim`` the captured
         key that the refused key replaces, or None. Only a refusal by the count cap is served: if the
         memory cap would refuse the key anyway, nothing is replaced (a released graph does not shrink
         the shared pool)."""
         # the size's own key: the one refused, or waiting while a larger graph serves it, or the one replayed
-        wanted = next((k for k in (plan.wanted, plan.waiting, plan.key) if k is not None), None)
+        wanted = next((k for k in (route.wanted, route.waiting, route.key) if k is not None), None)
         if wanted is None:
             return False, None
         self.saw(wanted)
-        if plan.miss != Miss.OVER_BUDGET or self.calls(wanted) < MIN_CALLS:
+        if route.miss != Miss.OVER_BUDGET or self.calls(wanted) < MIN_CALLS:
             return False, None
         victim = self.victim(wanted, captured)
         budget = policy.budget

@@ -1,6 +1,6 @@
 """The callable Dynamo installs for one graph: per call, pick the graphs that serve it, or say why not.
 
-Built from a frozen :class:`~piecewise_backend.plan.GraphPlan` (the wrap stage of ``backend.py``):
+Built from a frozen :class:`~piecewise_backend.plan.types.GraphPlan` (the wrap stage of ``backend.py``):
 each compute piece of the split graph is replaced by a
 :class:`~piecewise_backend.runtime.piece_runner.PieceRunner`, the eager pieces run as they are
 between the replays. Per call, in order:
@@ -9,7 +9,7 @@ between the replays. Per call, in order:
    call, the next decode position is written ahead);
 2. un-graphed if graphs are off for this graph or grad is needed;
 3. the parameters' addresses choose the set of graphs (``weight_sets.py``);
-4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Plan`: replay a captured
+4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Route`: replay a captured
    key (maybe padded), capture a new one, or run un-graphed with a counted reason;
 5. under ``max_captured_sizes``, a refused key that keeps coming replaces the least used captured
    one (``capture_traffic.py``);
@@ -18,7 +18,6 @@ between the replays. Per call, in order:
 
 from __future__ import annotations
 
-import collections
 import logging
 import operator
 import time
@@ -28,24 +27,24 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 
 from .. import _torch_internals
-from .. import graph_facts as facts
 from ..config import PiecewiseConfig
 from ..kinds import CaptureHow, Miss, PieceKind
-from ..stats import CaptureEvent, GraphStats, PieceStats
 from .call_guard import call_guard
-from .capture_policy import CapturePolicy, Plan
+from .capture_policy import CapturePolicy, Route
 from .capture_retries import CaptureRetries
 from .capture_traffic import CaptureTraffic
-from .distributed import agreed_refusal
 from .devices import pool_bytes, synchronize
+from .distributed import RankAgreement, agreed_refusal
 from .piece_runner import PieceRunner, StepState
+from .sdpa_backends import SdpaBackends
+from .stats import CaptureEvent, GraphStats, PieceStats
 from .up_front import UpFrontCapture
 from .weight_sets import WeightSet, WeightSets
 
 if TYPE_CHECKING:
-    from ..plan import GraphPlan
+    from ..plan.types import GraphPlan
 
-log = logging.getLogger("piecewise_backend")
+log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 
 
 class CompiledGraph:
@@ -55,34 +54,40 @@ class CompiledGraph:
         self.plan = plan
         self.config = config
         self.serial = 0  # numbered by the registry (``registry.py``) once built
-        self.stats = _new_stats(plan)
-        self.policy = CapturePolicy(config, plan.key.pad_position, plan.padding.refusal, plan.agreement,
+        self.stats = GraphStats.of_plan(plan)
+        # ranks that must decide captures together (distributed.py), from the groups the plan names
+        self.agreement = RankAgreement(list(plan.collective_groups)) if plan.collective_groups else None
+        self.policy = CapturePolicy(config, plan.key.pad_position, plan.padding.refusal, self.agreement,
                                     plan.row_limit(), tuple(map(str, plan.key.symbols)))
         self.step = StepState()
+        # the split graph this graph runs: a copy of the plan's, whose pieces are replaced by runners
+        # (the plan stays as compile time made it: inspection reads it)
+        self.split_module = torch.fx.GraphModule(plan.split.graph_module, plan.split.graph_module.graph)
         self.runners = self._wrap_pieces()
         self.captured: set = set()  # shape keys captured (for the active set of weights)
-        self._plans: dict[tuple, Plan] = {}
+        self._routes: dict[tuple, Route] = {}
         self._unreplayed: set = set()  # keys captured lazily and not replayed since (capture_policy.churn)
         self._retries = CaptureRetries()  # keys whose capture failed, tried again later (capture_retries.py)
         self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None  # capture_traffic.py
         self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
         self.up_front = UpFrontCapture(self)
         self._warned: set = set()
-        self._forward = _one_piece_forward(plan.split.graph_module) or \
-            _torch_internals.generated_forward(plan.split.graph_module)
+        self._forward = _one_piece_forward(self.split_module) or \
+            _torch_internals.generated_forward(self.split_module)
         self.step_scalars = plan.step_scalars
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
         self._any_requires_grad = plan.any_requires_grad
         self._shape_key = plan.key.of
-        self._sdpa_backends = plan.sdpa_backends
+        self._sdpa_backends = SdpaBackends(dict(plan.sdpa_choice.enabled), plan.sdpa_choice.reason) \
+            if plan.sdpa_choice is not None else None
         self._guard = call_guard(plan.device)
 
     def _wrap_pieces(self) -> dict[str, PieceRunner]:
         """Replace each compute submodule by its runner (an instance attribute shadows the registered
         submodule, which stays for inspection); eager submodules are called without
         ``nn.Module.__call__``'s overhead."""
-        split_gm = self.plan.split.graph_module
+        split_gm = self.split_module
         device = self.plan.device
         runners = {}
         for spec in self.plan.split.pieces:
@@ -90,7 +95,7 @@ class CompiledGraph:
                 self.stats.pieces[spec.name] = PieceStats(spec.name)
                 runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], self.step, self.stats.pieces[spec.name],
                                                  self.config.warmup_runs, self.config.clone_outputs,
-                                                 self.plan.agreement, device)
+                                                 self.agreement, device)
                 split_gm.__dict__[spec.name] = runners[spec.name]
             else:
                 split_gm.__dict__[spec.name] = getattr(split_gm, spec.name).forward
@@ -155,35 +160,35 @@ class CompiledGraph:
             self.stats.misses[Miss.WEIGHTS_MOVED] += 1
             return self._forward(*args)
         key = self._shape_key(args)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._new_plan(key, args)
-        if plan.size is not None:
-            self.stats.batch_sizes[plan.size] += 1
+        route = self._routes.get(key)
+        if route is None:
+            route = self._new_route(key, args)
+        if route.size is not None:
+            self.stats.batch_sizes[route.size] += 1
         if self._traffic is not None:
-            plan = self._follow_traffic(plan, key, args)
-        if plan.key is None:
+            route = self._follow_traffic(route, key, args)
+        if route.key is None:
             step.ungraphed()
-            self.stats.misses[plan.miss] += 1
+            self.stats.misses[route.miss] += 1
             return self._forward(*args)
-        if plan.waiting is not None or plan.miss is not None:  # its own size waits or was refused
+        if route.waiting is not None or route.miss is not None:  # its own size waits or was refused
             self.stats.rides += 1
-        if self._retries.pending and not plan.capture and self._retries.due(plan.key):
-            plan = self._forget(plan.key, key, args)  # a failed capture's turn to be tried again
-            if plan.key is None:
+        if self._retries.pending and not route.capture and self._retries.due(route.key):
+            route = self._forget(route.key, key, args)  # a failed capture's turn to be tried again
+            if route.key is None:
                 step.ungraphed()
                 return self._forward(*args)
-        step.replay(plan.key, plan.size, plan.padded)
-        if plan.capture:
-            return self.capturing_step(plan.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, plan.key)),
+        step.replay(route.key, route.size, route.padded)
+        if route.capture:
+            return self.capturing_step(route.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, route.key)),
                                        lambda: self._forward(*args))
         return self._forward(*args)
 
-    def _forget(self, captured_key: tuple, key: tuple, args: tuple) -> Plan:
-        """Drop the graphs of ``captured_key`` (one of its pieces failed to capture) and plan the call
+    def _forget(self, captured_key: tuple, key: tuple, args: tuple) -> Route:
+        """Drop the graphs of ``captured_key`` (one of its pieces failed to capture) and route the call
         anew: the whole step is captured again (``capture_retries.py`` says why not one piece)."""
         self._drop(captured_key)
-        return self._new_plan(key, args)
+        return self._new_route(key, args)
 
     def _drop(self, captured_key: tuple) -> None:
         for runner in self.runners.values():
@@ -191,20 +196,20 @@ class CompiledGraph:
             runner.failed_keys.discard(captured_key)
         self.captured.discard(captured_key)
         self._unreplayed.discard(captured_key)
-        self._plans.clear()
+        self._routes.clear()
 
-    def _follow_traffic(self, plan: Plan, key: tuple, args: tuple) -> Plan:
+    def _follow_traffic(self, route: Route, key: tuple, args: tuple) -> Route:
         """Count the call's key; a key refused by ``max_captured_sizes`` that keeps coming replaces
         the least used captured key (``capture_traffic.py``), every rank agreeing."""
-        decide, victim = self._traffic.replacement(plan, self.captured, self.policy, self.pool_bytes)
-        if not decide or agreed_refusal(self.plan.agreement, None if victim is not None else "keeps its graphs",
+        decide, victim = self._traffic.replacement(route, self.captured, self.policy, self.pool_bytes)
+        if not decide or agreed_refusal(self.agreement, None if victim is not None else "keeps its graphs",
                                         "another rank keeps them"):
-            return plan
+            return route
         self._drop(victim)
         self.stats.replaced_keys.append(victim)
-        log.info("piecewise: graph %d: shape key %s replaces %s (%s)", self.serial, plan.wanted, victim,
-                 self._traffic.describe(plan.wanted, victim))
-        return self._new_plan(key, args)
+        log.info("piecewise: graph %d: shape key %s replaces %s (%s)", self.serial, route.wanted, victim,
+                 self._traffic.describe(route.wanted, victim))
+        return self._new_route(key, args)
 
     def _count_batch(self, args: tuple) -> None:
         """Un-graphed graphs count their batch sizes too (``stats.batch_sizes``, on CPU as well)."""
@@ -248,7 +253,7 @@ class CompiledGraph:
         active = self.weights.active_addresses
         if active is None:
             return "first seen"
-        names = [n.name for n in facts.placeholders(self.plan.inputs.graph_module.graph)]
+        names = self.plan.inputs.names
         moved = [names[i] for i, new, old in zip(self.plan.inputs.weight_indices, addresses, active) if new != old]
         return f"{moved[0]}" + (f" and {len(moved) - 1} more" if len(moved) > 1 else "") if moved else "none"
 
@@ -256,33 +261,33 @@ class CompiledGraph:
         for name, runner in self.runners.items():
             runner.captures = weight_set.captures.setdefault(name, {})
             runner.failed_keys = weight_set.failed.setdefault(name, set())
-        self.captured, self._plans, self._unreplayed = weight_set.captured, weight_set.plans, weight_set.unreplayed
+        self.captured, self._routes, self._unreplayed = weight_set.captured, weight_set.routes, weight_set.unreplayed
         self._retries = weight_set.retries
         self.weights.activate(addresses, weight_set)
 
-    def _new_plan(self, key: tuple, args: tuple) -> Plan:
+    def _new_route(self, key: tuple, args: tuple) -> Route:
         if not self.up_front.remembered:
             self.up_front.remember(key, args)
             self.up_front.capture_eager_sizes()  # before the first output
-        plan = self.policy.plan(key, self.captured, self.pool_bytes, self._unreplayed)
-        if plan.miss is not None:
-            self._warn_refused(key, plan)
-        if plan.key is not None and not plan.capture:
-            self._unreplayed.discard(plan.key)  # a captured key's first replay plans here (plans were cleared)
-        if not plan.capture and plan.waiting is None:  # a size waiting for its own graph counts its calls
-            self._plans[key] = plan
-        return plan
+        route = self.policy.route(key, self.captured, self.pool_bytes, self._unreplayed)
+        if route.miss is not None:
+            self._warn_refused(key, route)
+        if route.key is not None and not route.capture:
+            self._unreplayed.discard(route.key)  # a captured key's first replay is routed here (routes were cleared)
+        if not route.capture and route.waiting is None:  # a size waiting for its own graph counts its calls
+            self._routes[key] = route
+        return route
 
-    def _warn_refused(self, key: tuple, plan: Plan) -> None:
-        self.stats.miss_details[plan.miss] = plan.detail
-        instead = (f"Those calls replay the graph of {plan.key}, padded" if plan.key is not None
+    def _warn_refused(self, key: tuple, route: Route) -> None:
+        self.stats.miss_details[route.miss] = route.detail
+        instead = (f"Those calls replay the graph of {route.key}, padded" if route.key is not None
                    else "Those calls run un-graphed")
-        if plan.miss == Miss.OVER_BUDGET:
-            self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
-                                      f"{plan.detail}. {instead} (see stats.summary()).")
-        elif plan.miss == Miss.NEVER_REPLAYED:
-            self.warn_once(plan.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
-                                      f"{plan.detail}. Each would be a graph captured for one call. {instead}; "
+        if route.miss == Miss.OVER_BUDGET:
+            self.warn_once(route.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
+                                      f"{route.detail}. {instead} (see stats.summary()).")
+        elif route.miss == Miss.NEVER_REPLAYED:
+            self.warn_once(route.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
+                                      f"{route.detail}. Each would be a graph captured for one call. {instead}; "
                                       f"shapes captured still replay. "
                                       f"In a decode step, usually a KV length inside a compute piece: "
                                       f"attention that is not scaled_dot_product_attention (transformers: "
@@ -330,7 +335,7 @@ class CompiledGraph:
                 captures.clear()
             weight_set.captured.clear()
             weight_set.unreplayed.clear()
-            weight_set.plans.clear()  # plans of captured keys would replay graphs that are gone
+            weight_set.routes.clear()  # routes to captured keys would replay graphs that are gone
         return released
 
     def pool_bytes(self) -> int:
@@ -346,7 +351,7 @@ class CompiledGraph:
             self._retries.succeeded(key)
         if how == CaptureHow.LAZY:
             self._unreplayed.add(key)
-        self._plans.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
+        self._routes.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
         position = self.plan.key.pad_position
         self.policy.budget.record(key[position] if position is not None else None, after - before)
         pieces = sum(1 for r in self.runners.values() if key in r.captures)
@@ -368,7 +373,7 @@ def _one_piece_forward(gm: torch.fx.GraphModule):
     Why: the generated forward names every input (~190 for a 16-layer model) before the one call
     and clears the names after it; on the H200 machine that was ~5 µs of a decode step's host time.
     """
-    placeholders = {node: i for i, node in enumerate(facts.placeholders(gm.graph))}
+    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     body = [n for n in gm.graph.nodes if n.op != "placeholder"]
     if len(body) != 2 or body[0].op != "call_module" or body[0].kwargs or body[1].op != "output":
         return None
@@ -383,13 +388,3 @@ def _one_piece_forward(gm: torch.fx.GraphModule):
     if result is call:
         return lambda *args: piece(*pick(args))
     return lambda *args: (piece(*pick(args)),)
-
-
-def _new_stats(plan: GraphPlan) -> GraphStats:
-    compute = len(plan.pieces)
-    return GraphStats(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
-                      num_split_pieces=len(plan.split.pieces) - compute, inductor_compiles=plan.inductor_compiles,
-                      inductor_seconds=plan.inductor_seconds, graphs_disabled_reason=plan.graphs_disabled_reason,
-                      padding=plan.padding.note, unsafe_ops=plan.split.unsafe_ops,
-                      eager_sdpa=plan.sdpa_backends.reason if plan.sdpa_backends is not None else "",
-                      attention=dict(collections.Counter(how for _, how in plan.attention)))

@@ -11,36 +11,16 @@ and capture only if all allow. Likewise after each piece's capture attempt: a ca
 failed on one rank is given up on all (``PieceRunner``), before any replay, so every rank runs that
 piece the same way.
 
-Which groups: read from the graph, the ``group_name`` argument of each ``_c10d_functional`` op (what
-``torch.distributed._functional_collectives`` traces to). A graph without collectives never talks
-to other ranks: data-parallel replicas that see different batch sizes keep deciding alone.
+Which groups: read from the graph at compile time (``plan/collectives.py``), handed over in the
+plan as group names. A graph without collectives never talks to other ranks: data-parallel
+replicas that see different batch sizes keep deciding alone.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.fx
 
 from .. import _torch_internals
-
-
-def collective_groups(graph: torch.fx.Graph) -> list[str]:
-    """Names of the process groups the graph's functional collectives run on, in first-use order."""
-    names: dict[str, None] = {}
-    for node in graph.nodes:
-        target = node.target
-        if node.op != "call_function":
-            continue
-        if _torch_internals.is_op_packet(target):  # Dynamo records the packet
-            target = getattr(target, "default", None)
-        if not _torch_internals.is_op_overload(target) or target.namespace != "_c10d_functional":
-            continue
-        for i, arg in enumerate(_torch_internals.op_schema_arguments(target)):
-            if arg.name == "group_name":
-                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                if isinstance(value, str):
-                    names[value] = None
-    return list(names)
 
 
 class RankAgreement:
@@ -74,9 +54,3 @@ def agreed_refusal(agreement: RankAgreement | None, refusal: str | None, elsewhe
     if agreement is None or agreement.all_allow(refusal is None) or refusal is not None:
         return refusal
     return elsewhere
-
-
-def rank_agreement(graph: torch.fx.Graph) -> RankAgreement | None:
-    """The agreement the graph's capture decisions need, or None if it has no collectives."""
-    names = collective_groups(graph)
-    return RankAgreement(names) if names else None

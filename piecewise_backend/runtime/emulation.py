@@ -1,35 +1,17 @@
 """CUDA graphs emulated on CPU, so that CI (no GPU) tests capture, replay and padding against eager.
 
-Inside ``with emulated_graphs():``, graphs compiled from CPU inputs get runners as on CUDA, with
-:class:`EmulatedGraph` standing in for ``torch.cuda.CUDAGraph``. Read when a graph is compiled;
-graphs compiled outside the block stay un-graphed on CPU. For tests and benchmarks of this package,
-not for users (emulation is slower than running the pieces plainly).
+Inside ``with emulated_graphs():`` (``plan/emulation.py``: read when a graph is compiled),
+graphs compiled from CPU inputs get runners as on CUDA, with :class:`EmulatedGraph` standing in
+for ``torch.cuda.CUDAGraph``; graphs compiled outside the block stay un-graphed on CPU. For tests
+and benchmarks of this package, not for users (emulation is slower than running the pieces plainly).
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 from typing import Callable
 
 import torch
-
-_EMULATING = contextvars.ContextVar("piecewise_emulated_graphs", default=False)
-
-
-@contextlib.contextmanager
-def emulated_graphs(on: bool = True):
-    """Graphs compiled inside the block emulate CUDA graphs on CPU (see the module docstring)."""
-    token = _EMULATING.set(on)
-    try:
-        yield
-    finally:
-        _EMULATING.reset(token)
-
-
-def emulating() -> bool:
-    return _EMULATING.get()
-
 
 _CAPTURING = contextvars.ContextVar("piecewise_emulated_capture", default=False)
 

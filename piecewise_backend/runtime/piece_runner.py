@@ -47,16 +47,16 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import _torch_internals, op_names
-from ..stats import PieceStats
-from ..symbolic import evaluate, strides_at, symbol_values
 from .devices import device_graphs
 from .distributed import RankAgreement, agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
+from .stats import PieceStats
+from .symbolic import evaluate, strides_at, symbol_values
 
 if TYPE_CHECKING:
-    from ..plan import PiecePlan
+    from ..plan.types import PiecePlan
 
-log = logging.getLogger("piecewise_backend")
+log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 
 
 def _alias(t: torch.Tensor, size=None) -> torch.Tensor:

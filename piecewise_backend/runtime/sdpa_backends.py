@@ -7,7 +7,8 @@ attention piece sees a new KV length at every decode step, so with torch's defau
 every step paid it, and a 16-layer decode step took 36-54 ms, as long as eager. Flash and
 memory-efficient attention launch without planning; math runs anything they cannot.
 
-So by default (``eager_sdpa_backends="auto"``), while a compiled graph runs, cuDNN attention is off
+So by default (``eager_sdpa_backends="auto"``; decided at compile time, ``plan/sdpa_choice.py``),
+while a compiled graph runs, cuDNN attention is off
 if one of its eager SDPA calls has a KV length that changes between calls (a symbol in the key's
 length). Where every length is fixed (a static cache attended whole), torch's own choice stands:
 cuDNN plans once per shape. ``"torch"`` leaves torch's choice alone; a list of names (``"flash"``,
@@ -21,9 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-import torch.fx
 
-from .. import graph_facts as facts
 from ..config import SDPA_BACKENDS as NAMES
 
 _cuda = torch.backends.cuda
@@ -61,24 +60,3 @@ class SdpaBackends:
                 _SET[name](value)
             return []
         return changed
-
-
-def _kv_length(node: torch.fx.Node):
-    """The KV length (the key's dim -2) an SDPA call sees, or None when its key is not a tensor."""
-    key = node.args[1] if len(node.args) > 1 else node.kwargs.get("key")
-    value = facts.example_value(key) if isinstance(key, torch.fx.Node) else None
-    return value.shape[-2] if isinstance(value, torch.Tensor) and value.dim() >= 2 else None
-
-
-def choose(option: Any, eager_sdpa: list[torch.fx.Node], device_type: str = "cuda") -> SdpaBackends | None:
-    """The backends a compiled graph's calls run with (None: torch's own choice, untouched), given the
-    SDPA calls of its eager pieces and the graph's device (``"auto"`` concerns cuDNN: CUDA only)."""
-    if option == "torch" or option == "auto" and device_type != "cuda":
-        return None
-    if option != "auto":
-        return SdpaBackends({name: name in option for name in NAMES}, f"eager_sdpa_backends={list(option)}")
-    varying = [node.name for node in eager_sdpa if isinstance(_kv_length(node), torch.SymInt)]
-    if not varying:
-        return None
-    return SdpaBackends({"cudnn": False}, f"cuDNN attention off: {len(varying)} eager SDPA call(s) see a new KV "
-                                          f"length per call (e.g. {varying[0]}), which cuDNN would re-plan")

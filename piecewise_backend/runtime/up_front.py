@@ -24,7 +24,7 @@ import torch
 import torch.fx
 
 from ..kinds import CaptureHow, Miss
-from ..symbolic import materialize, symbol_values
+from .symbolic import materialize, symbol_values
 
 
 def _progress(items: list, desc: str):
@@ -124,10 +124,10 @@ class UpFrontCapture:
         todo = [k for k in self.keys_of(sizes) if k not in graph.captured]
         done = []
         for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
-            plan = graph.policy.admit(key, graph.captured, graph.pool_bytes)
-            if not plan.capture:
+            route = graph.policy.admit(key, graph.captured, graph.pool_bytes)
+            if not route.capture:
                 graph.warn_once(Miss.OVER_BUDGET, f"piecewise: graph {graph.serial}: stopped capturing at shape "
-                                                  f"key {key}: {plan.detail}.")
+                                                  f"key {key}: {route.detail}.")
                 break
             self._capture_key(key)
             done.append(key)
@@ -156,7 +156,7 @@ class UpFrontCapture:
         values = {**self._values, **dict(zip(plan.key.symbols, key))}
         scalars = graph.step_scalars.writes_disabled() if graph.step_scalars is not None else contextlib.nullcontext()
         with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
-            graph.capturing_step(key, CaptureHow.EAGER, values, lambda: run_compute_pieces(
+            graph.capturing_step(key, CaptureHow.UP_FRONT, values, lambda: run_compute_pieces(
                 plan.split.graph_module, graph.runners, plan.fake_outputs, plan.inputs.fake_inputs, self._template,
                 plan.inputs.static_inputs | plan.inputs.python_scalars, values, plan.device))
 

@@ -42,7 +42,7 @@ class WeightSet:
 
     number: int  # 1 for the first set seen, 2 for the next, ...
     captured: set = dataclasses.field(default_factory=set)  # shape keys captured
-    plans: dict = dataclasses.field(default_factory=dict)  # shape key -> Plan
+    routes: dict = dataclasses.field(default_factory=dict)  # shape key -> capture_policy.Route
     captures: dict = dataclasses.field(default_factory=dict)  # piece name -> {shape key: captured graph}
     failed: dict = dataclasses.field(default_factory=dict)  # piece name -> shape keys whose capture failed
     unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
