@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
 from toys.models import reset_caches
-from suite import MODELS, next_ids, toy_model
+from suite_models import MODELS, next_ids, toy_model
 
 VARIANTS = {"kv-in-graphs": {}, "kv-eager": {"capture_kv_writes": False}}
 

@@ -19,7 +19,7 @@ import torch
 
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from suite import toy_model
+from suite_models import toy_model
 
 POS = 8
 

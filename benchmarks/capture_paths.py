@@ -12,7 +12,7 @@ import os, sys, statistics, argparse
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
 import _checkout  # noqa
-from suite import models_for
+from suite_models import models_for
 from timing import timed
 from toys.models import reset_caches
 from piecewise_backend.runtime.devices import device_graphs

@@ -3,7 +3,7 @@
     python benchmarks/coresidence.py MODEL BATCH STEPS [AFTER]   # e.g. 16L-whole-cache 8 40 (the suite's sizes)
 
 AFTER, what is built between the two timings (default ``limit``, what ran for the numbers below):
-``limit`` (Inductor, ``dynamic=False``, and its graph captured: ``suite.limit_graph``);
+``limit`` (Inductor, ``dynamic=False``, and its graph captured: ``suite_variants.limit_graph``);
 ``inductor`` (the same compile, run, nothing captured); ``eager-graph`` (the eager step captured
 in a graph, nothing compiled); ``limit-no-cudnn`` (the limit built and replayed with cuDNN's SDPA
 kept out: is it cuDNN's state?).
@@ -21,7 +21,8 @@ import argparse, contextlib, os, statistics, sys, time
 sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
 import _checkout  # noqa
-from suite import compiled_variant, models_for, limit_graph
+from suite_models import models_for
+from suite_variants import compiled_variant, limit_graph
 from timing import time_decode, timed
 from toys.models import next_tokens, reset_caches
 

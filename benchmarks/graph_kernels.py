@@ -21,7 +21,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
-from suite import compiled_variant, limit_graph, models_for, next_ids
+from suite_models import models_for, next_ids
+from suite_variants import compiled_variant, limit_graph
 from timing import time_decode
 from toys.models import reset_caches
 

@@ -34,7 +34,7 @@ from piecewise_backend.runtime.piece_runner import PieceRunner
 from piecewise_backend.split.splitting import COMPUTE
 from timing import timed
 from toys.models import ToyConfig, reset_caches, sdpa_backends
-from suite import IDIOMS, MODELS, next_ids, toy_model
+from suite_models import IDIOMS, MODELS, next_ids, toy_model
 
 
 class _Clock:

@@ -18,7 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 from piecewise_backend.runtime.devices import synchronize
 from toys.models import ToyLlama, ToyStaticCacheLlama, reset_caches
-from suite import MODELS, PINNED, base_variant, compiled_variant, next_ids, sdpa_setting, toy_model
+from plot import PINNED, base_variant
+from suite_models import MODELS, next_ids, toy_model
+from suite_variants import compiled_variant, sdpa_setting
 
 
 def main() -> None:

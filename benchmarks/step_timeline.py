@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
 import torch
 from torch.profiler import ProfilerActivity, profile
 import _checkout  # noqa
-from suite import compiled_variant, models_for, limit_graph
+from suite_models import models_for
+from suite_variants import compiled_variant, limit_graph
 from timing import time_decode
 from toys.models import next_tokens, reset_caches
 

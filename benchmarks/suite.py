@@ -2,6 +2,10 @@
 
     python benchmarks/suite.py --out suite.json [--models 16L 28L --batches 1 8 32 --steps 40]
 
+This module runs the variants and assembles the rows; the models are in ``suite_models.py``, how
+each variant is compiled and timed in ``suite_variants.py``, the timing loops in ``timing.py`` and
+the host's speed in ``host_speed.py``.
+
 Variants, side by side in one process (the machines are noisy; read ratios):
 
 * ``eager``: the model as written.
@@ -77,7 +81,6 @@ show what a user's defaults cost. Startup (``--startup``): time from ``torch.com
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -90,334 +93,14 @@ import traceback
 import torch
 
 import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
+import host_speed
 import piecewise_backend
+from host_speed import fast_host_times, settled_probe
 from piecewise_backend.runtime.devices import synchronize
-from timing import host_probe_us, time_decode, timed
-from toys.idioms import WholeCacheLlama
-from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, \
-    next_tokens, reset_caches, sdpa_backends
-from plot import PINNED, SAME_PROCESS_LIMIT, base_variant
-
-MODELS = {
-    **BENCHMARK_SIZES,
-    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
-}
-# the same sizes, written in an idiom other than the toys' own (``toys/idioms.py``): key -> (size, class)
-IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28L", "tiny")}
-BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-no-clone",
-                 "piecewise-fast-call", "piecewise-full",
-                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
-VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
-
-
-def sdpa_setting(variant: str, device: str):
-    """The SDPA setting a variant runs under: torch's defaults, unless its name says pinned."""
-    return sdpa_backends(device) if variant.endswith(PINNED) else contextlib.nullcontext()
-# variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
-# options: where that variant is in the same process and compiled first, Dynamo serves its cache
-# entries and this one compiles nothing of its own)
-SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full",
-               "piecewise-fast-call": "piecewise-no-clone"}
-
-
-def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
-    """``model_cls`` at ``MODELS[key]`` (``sizes`` override or add config fields), with the
-    deterministic weights every benchmark compares on: bf16 on a GPU, fp32 on a CPU."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    return init_weights_(model_cls(ToyConfig(**{**MODELS[key], **sizes}))).to(device=device, dtype=dtype).eval()
-
-
-def next_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Greedy next tokens, their batch dim marked dynamic (one decode graph for every batch size)."""
-    return next_tokens(logits, mark_batch_dynamic=True)
-
-
-def model_name(model) -> str:
-    idiom = getattr(model, "idiom", None)
-    return f"llama-{model.cfg.layers}L-{model.cfg.hidden}" + (f"-{idiom}" if idiom else "")
-
-
-def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False, inductor: bool = True):
-    """The whole Inductor-compiled decode step at one shape and position, captured in one graph:
-    (``replay()`` returning the graph's logits, seconds to compile and warm up). ``inductor=False``:
-    the eager step captured instead (``coresidence.py``).
-
-    ``replay.inputs`` holds the graph's inputs: a CUDA graph keeps only their addresses. Before it
-    did, the token ids were freed when this function returned, later allocations reused their memory,
-    and the replays read whatever lay there: at batch 8, ids out of the vocabulary and a device-side
-    assert in the embedding, next to reduce-overhead's models on the H200.
-    """
-    if device != "cuda":
-        raise RuntimeError("the limit is a CUDA graph: needs a GPU")
-    compiled = torch.compile(model, dynamic=False) if inductor else model
-    reset_caches(model)
-    ids = torch.randint(0, model.cfg.vocab, (batch, 1), device=device)
-    pos = torch.tensor([prompt], device=device) if tensor_pos else prompt
-    start = time.perf_counter()
-    for _ in range(3):  # compile and warm up at the fixed shape
-        compiled(ids, pos)
-    torch.cuda.synchronize()
-    first_call = time.perf_counter() - start
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        logits = compiled(ids, pos)
-
-    def replay():
-        graph.replay()
-        return logits
-
-    replay.inputs = (ids, pos)
-    return replay, first_call
-
-
-def floor_backend(replay):
-    """A ``torch.compile`` backend whose every graph is ``replay()`` (the limit's graph): what a
-    backend costs when it adds nothing to Dynamo's entry (``dynamo-floor``; timing only)."""
-
-    def backend(gm, example_inputs):
-        def run(*args):
-            return (replay(),)
-        return run
-    return backend
-
-
-def second_half(values: list, steps: int) -> list:
-    """The second half of the last ``steps`` values: the decode steps past warm-up (a prefill, when
-    there was one, comes before them)."""
-    return values[-steps:][steps // 2:]
-
-
-class HostTimed:
-    """``step`` with the host time of each call kept: the time to *enqueue* it (no sync).
-
-    Why: the CUDA-event step time alone cannot say whether a variant waits on the host or on the
-    GPU; with the host time next to it, a variant whose host time is most of its step is
-    host-bound, and a slowdown shows on which side it is.
-    """
-
-    def __init__(self, step):
-        self.step, self.seconds = step, []
-
-    def __call__(self, *args):
-        start = time.perf_counter()
-        out = self.step(*args)
-        self.seconds.append(time.perf_counter() - start)
-        return out
-
-    def median_ms(self, steps: int) -> float:
-        """Median over :func:`second_half` of the calls, in ms."""
-        return statistics.median(second_half(self.seconds, steps)) * 1e3
-
-
-class GpuTimed:
-    """``step`` with CUDA events recorded around each call, and no wait for the GPU until asked.
-
-    Why: ``timing.time_decode`` waits for every step, as a server that reads each token on the host
-    does, so the host work before a replay (Dynamo's entry, the backend's checks) lands on the step
-    in full. With the host free to run ahead, that work overlaps the previous step's GPU time and
-    a step costs what the GPU spends from its start to its end, host time counting only where the
-    GPU waits for a launch. On a CPU everything runs as it is called: wall-clock per call.
-    """
-
-    def __init__(self, step, device: str):
-        self.step, self.device, self.marks = step, device, []
-        self._wall = HostTimed(step) if device != "cuda" else None  # a CPU's step ends when its call does
-
-    def __call__(self, *args):
-        if self._wall is not None:
-            return self._wall(*args)
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        out = self.step(*args)
-        end.record()
-        self.marks.append((begin, end))
-        return out
-
-    def median_ms(self, steps: int) -> float:
-        """Waits for the GPU once, then: the median over :func:`second_half` of the calls."""
-        if self._wall is not None:
-            return self._wall.median_ms(steps)
-        synchronize(self.device)
-        return statistics.median(begin.elapsed_time(end) for begin, end in second_half(self.marks, steps))
-
-
-def pipelined_decode_ms(step, model, batch: int, prompt: int, steps: int, device: str,
-                        tensor_pos: bool = False) -> float:
-    """``time_decode``'s decode (prefill ``prompt`` tokens, ``steps`` greedy steps, KV growing) without
-    waiting for the GPU between steps: the median GPU ms per step over the second half."""
-    reset_caches(model)
-
-    def where(p, n):
-        return torch.arange(p, p + n, device=device) if tensor_pos else p
-
-    timed_step = GpuTimed(step, device)
-    logits = step(torch.randint(0, model.cfg.vocab, (batch, prompt), device=device), where(0, prompt))
-    for pos in range(prompt, prompt + steps):
-        logits = timed_step(next_tokens(logits, batch > 1), where(pos, 1))
-    return timed_step.median_ms(steps)
-
-
-def sm_clock_mhz(device: str) -> int | None:
-    """The GPU's SM clock now (``nvidia-smi``), read right after a timed run; None without one.
-
-    Why: a one-graph step is bound by the GPU, and the H200's clock follows its load (345 MHz idle,
-    1980 under matmuls on these machines): a variant timed after a stretch of light, host-bound
-    work may run at a lower clock. With the clock in the row, that shows instead of being guessed.
-    """
-    if device != "cuda":
-        return None
-    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
-    target = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", target],
-                             capture_output=True, text=True, timeout=10)
-        return int(out.stdout.split()[0])
-    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-        return None
-
-
-def replay_ms(replay, steps: int, device: str, pipelined: bool = False) -> tuple[float, float]:
-    """Median over the second half of ``steps`` timed calls of ``replay``: (step ms, host ms);
-    ``pipelined``: without waiting for the GPU between calls (:class:`GpuTimed`)."""
-    replay = HostTimed(replay)
-    if pipelined:
-        gpu_timed = GpuTimed(replay, device)
-        for _ in range(steps):
-            gpu_timed()
-        return gpu_timed.median_ms(steps), replay.median_ms(steps)
-    times = [timed(replay, device)[1] for _ in range(steps)]
-    return statistics.median(second_half(times, steps)), replay.median_ms(steps)
-
-
-def compiled_variant(variant: str, model, pinned: bool = False):
-    """``variant`` compiled. ``pinned``: its ``+pinned-sdpa`` twin, compiled with one option more
-    (a no-op for Inductor, the same pin for the backend's eager attention) so that Dynamo keeps its
-    cache entries apart from the unpinned variant's: Inductor picks SDPA's kernel at compile time,
-    and equal backends share Dynamo's cache within a process."""
-    variant = SKIP_GUARDS.get(variant, variant)
-    inductor_extra = {"max_autotune": False} if pinned else {}
-    piecewise_extra = {"eager_sdpa_backends": ["flash", "efficient"]} if pinned else {}
-    if variant == "inductor":
-        return torch.compile(model, options=inductor_extra or None)
-    if variant == "reduce-overhead":
-        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False, **inductor_extra})
-    if variant == "reduce-overhead+partition":
-        return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True, **inductor_extra})
-    options = {"piecewise": {}, "piecewise-eager-attention": {"graph_attention": False},
-               "piecewise-kv-eager": {"capture_kv_writes": False, "graph_attention": False},
-               "piecewise-no-clone": {"clone_outputs": False},
-               "piecewise-full": {"mode": "full"},
-               # its masked attention over the whole cache: nothing to rewrite
-               "piecewise-full-static": {"mode": "full", "graph_attention": False}}
-    if variant not in options:
-        raise ValueError(variant)
-    return torch.compile(model, backend="piecewise", options={**options[variant], **piecewise_extra} or None)
-
-
-def piecewise_facts(graphs: list) -> dict:
-    """What the backend made of the model: pieces, compiles, captures, copies per step."""
-    main = max(graphs, key=lambda g: g.stats.calls)
-    return {"graphs": len(graphs), "pieces": main.stats.num_pieces,
-            "compute_pieces": main.stats.num_compute_pieces,
-            "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
-            "captures": sum(g.stats.captures for g in graphs),
-            "input_copies_per_step": round(sum(p.input_copies for p in main.stats.pieces.values())
-                                           / max(main.stats.calls, 1), 2),
-            "padding": main.stats.padding}
-
-
-def inductor_compiles() -> dict:
-    """Inductor's graph counts so far: compiled afresh (``fxgraph_cache_miss``) or loaded from its
-    cache (``fxgraph_cache_hit``)."""
-    from torch._dynamo.utils import counters
-
-    return {k: counters["inductor"].get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit")}
-
-
-def _since(before: dict) -> dict:
-    """A row's compile facts: how many Inductor graphs its warm-up compiled and how many it loaded
-    from the cache, so that ``first_call_s`` says which it timed (the device runs keep Inductor's
-    cache between calls on one machine)."""
-    now = inductor_compiles()
-    return {"inductor_compiled": now["fxgraph_cache_miss"] - before["fxgraph_cache_miss"],
-            "inductor_cache_hits": now["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]}
-
-
-def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
-    """Compile and warm up ``variant`` at ``batch`` (a short decode, or the limit's capture):
-    (first call seconds, ``measure(pipelined=False)`` giving one decode run's median step ms and host ms,
-    ``facts()`` giving the row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
-    resets before each variant, the interleaved one before each batch."""
-    with sdpa_setting(variant, device):
-        first_s, measure, facts = _prepared(base_variant(variant), model, twin, batch, args, device,
-                                            pinned=variant.endswith(PINNED))
-
-    def measure_as_named(pipelined: bool = False):
-        with sdpa_setting(variant, device):
-            return measure(pipelined)
-    return first_s, measure_as_named, facts
-
-
-def _prepared(variant: str, model, twin, batch: int, args, device: str, pinned: bool):
-    before = {g.serial for g in piecewise_backend.compiled_graphs()}
-    compiles_before = inductor_compiles()
-    if variant in ("limit", "limit-full"):
-        full = variant == "limit-full"
-        replay, first_s = limit_graph(twin if full else model, batch, args.prompt, device, tensor_pos=full)
-        compiles = _since(compiles_before)
-        return first_s, lambda pipelined=False: replay_ms(replay, args.steps, device, pipelined), lambda: compiles
-    if variant == "eager":
-        step, target = model, model
-    elif variant == "dynamo-floor":
-        replay, _ = limit_graph(model, batch, args.prompt, device)
-        step, target = torch.compile(model, backend=floor_backend(replay)), model
-    else:
-        target = twin if variant == "piecewise-full-static" else model
-        step = compiled_variant(variant, target, pinned)
-    tensor_pos = variant == "piecewise-full-static"
-    _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
-    compiles = _since(compiles_before)
-
-    stance = (lambda: torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)) if variant in SKIP_GUARDS \
-        else contextlib.nullcontext
-
-    def measure(pipelined: bool = False) -> tuple[float, float]:
-        host = HostTimed(step)
-        decode = pipelined_decode_ms if pipelined else lambda *a, **k: time_decode(*a, **k)[0]
-        with stance():
-            ms = decode(host, target, batch, args.prompt, args.steps, device, tensor_pos=tensor_pos)
-        return ms, host.median_ms(args.steps)
-
-    # this variant's graphs: those its warm-up compiled (SKIP_GUARDS' variants: none where Dynamo
-    # serves them their base variant's cache entries)
-    mine = [g for g in piecewise_backend.compiled_graphs() if g.serial not in before]
-
-    def facts() -> dict:
-        return {**compiles, "piecewise": piecewise_facts(mine)} if mine else compiles
-
-    return first_s, measure, facts
-
-
-def models_for(key: str, args, device: str):
-    """The model sized for the run, and its graph-safe twin with the same weights."""
-    if key in IDIOMS:  # no graph-safe twin: the full-static variants are the toys' own
-        size, cls = IDIOMS[key]
-        return toy_model(size, device, cls, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8), None
-    model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
-    twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=model.cfg.max_batch, max_seq=model.cfg.max_seq)
-    twin.load_state_dict(model.state_dict())
-    return model, twin
-
-
-def _size_caches(model, batch: int) -> None:
-    """A model whose caches hold exactly the batch (``toys/idioms.py``) gets new ones per batch."""
-    if hasattr(model, "set_batch"):
-        model.set_batch(batch)
-
-
-def _sdpa_label(variant: str) -> str:
-    return "pinned flash/efficient" if variant.endswith(PINNED) else "torch default"
+from plot import SAME_PROCESS_LIMIT
+from suite_models import IDIOMS, MODELS, model_name, models_for, size_caches, toy_model
+from suite_variants import VARIANTS, prepared_variant, sdpa_label
+from timing import sm_clock_mhz
 
 
 def _error(exc: Exception) -> str:
@@ -463,7 +146,7 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
     for key in args.models:
         model, twin = models_for(key, args, device)
         for batch in args.batches:
-            _size_caches(model, batch)
+            size_caches(model, batch)
             batch_rows = []
             for variant in args.variants:
                 row = {"model": model_name(model), "variant": variant, "batch": batch}
@@ -475,7 +158,7 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                         step_ms, host_ms = measure()
                         clock = sm_clock_mhz(device)
                         row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4), sm_clock_mhz=clock,
-                                   first_call_s=round(first_s, 3), sdpa=_sdpa_label(variant), **facts())
+                                   first_call_s=round(first_s, 3), sdpa=sdpa_label(variant), **facts())
                         row["pipelined_ms"] = _pipelined_ms(row, measure)
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
@@ -501,18 +184,18 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     settle = getattr(args, "settle", 0)
     deadline = time.perf_counter() + settle
     while time.perf_counter() < deadline:  # learn the host's full speed before the first round waits for it
-        _probe()
+        host_speed.probe()
         time.sleep(0.05)
     for key in args.models:
         model, twin = models_for(key, args, device)
         for batch in args.batches:
-            _size_caches(model, batch)
+            size_caches(model, batch)
             torch._dynamo.reset()
             batch_rows, measures, facts = {}, {}, {}
             with torch.inference_mode():
                 for variant in args.variants:
                     row = batch_rows[variant] = {"model": model_name(model), "variant": variant, "batch": batch,
-                                                 "sdpa": _sdpa_label(variant)}
+                                                 "sdpa": sdpa_label(variant)}
                     try:
                         first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
                                                                                       args, device)
@@ -528,7 +211,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                         try:
                             probe = settled_probe(settle)
                             step_ms, host_ms = measure()
-                            row["host_probe_us_rounds"].append(round(max(probe, _probe()), 2))
+                            row["host_probe_us_rounds"].append(round(max(probe, host_speed.probe()), 2))
                             row["step_ms_rounds"].append(round(step_ms, 4))
                             row["host_ms_rounds"].append(round(host_ms, 4))
                             row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
@@ -550,63 +233,13 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 pipelined = row.get("pipelined_ms_rounds")
                 row["pipelined_ms"] = round(statistics.median(pipelined), 4) \
                     if ok and pipelined and "pipelined_error" not in row else None
-            fast_host_times(list(batch_rows.values()), _FASTEST_PROBE[0])
+            fast_host_times(list(batch_rows.values()), host_speed.FASTEST_PROBE[0])
             _mark_process(list(batch_rows.values()), args)
             for row in batch_rows.values():
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             _save(args)
     return rows
-
-
-# a round met the host at full speed when its probe took at most this times the fastest probe
-# (the process's, or its rows' own: ``fast_host_times``; the slow spells are ~3×: ``timing.host_probe_us``)
-FAST_HOST = 1.3
-
-
-_FASTEST_PROBE = [float("inf")]  # the fastest host probe of this process, µs
-
-
-def _probe() -> float:
-    probe = host_probe_us()
-    _FASTEST_PROBE[0] = min(_FASTEST_PROBE[0], probe)
-    return probe
-
-
-def settled_probe(wait_s: float) -> float:
-    """A host probe (µs); with ``wait_s`` > 0, probed again every 50 ms while the host runs slower
-    than ``FAST_HOST`` times the fastest probe so far, for up to ``wait_s`` seconds (``--settle``):
-    a timed run then starts, where it can, on a host at full speed."""
-    deadline = time.perf_counter() + wait_s
-    while True:
-        probe = _probe()
-        if probe <= FAST_HOST * _FASTEST_PROBE[0] or time.perf_counter() >= deadline:
-            return probe
-        time.sleep(0.05)
-
-
-def fast_host_times(rows: list[dict], fastest: float = float("inf")) -> None:
-    """Add to each interleaved row the median of the rounds timed while the host ran at full speed:
-    ``step_ms_fast_host`` over ``fast_host_rounds`` of its rounds (None when none was).
-
-    "Full speed" is relative to the fastest probe: ``fastest`` (the process's) or the rows' own,
-    whichever is less. A round is fast when the probes just before and after it took at most
-    ``FAST_HOST`` times that. ``step_ms`` (every round) stays the row's main figure; this one says
-    what the backend costs on the host the machine has when it is not slowed, the reading a
-    quieter machine would give.
-    """
-    probes = [p for r in rows if "error" not in r for p in r.get("host_probe_us_rounds") or ()]
-    if not probes:
-        return
-    fastest = min(fastest, *probes)
-    for row in rows:
-        times = row.get("step_ms_rounds")
-        if not times or "error" in row:
-            continue
-        fast = [t for t, p in zip(times, row["host_probe_us_rounds"]) if p <= FAST_HOST * fastest]
-        row["fast_host_rounds"] = len(fast)
-        row["step_ms_fast_host"] = round(statistics.median(fast), 4) if fast else None
-        row["host_probe_fastest_us"] = round(fastest, 2)
 
 
 _RESULT: dict = {}

@@ -8,6 +8,7 @@ second half of the steps leaves out compile, capture and warm-up.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 
 import torch
@@ -80,3 +81,111 @@ def host_probe_us(reps: int = 15) -> float:
         _probe_work()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e6
+
+
+def second_half(values: list, steps: int) -> list:
+    """The second half of the last ``steps`` values: the decode steps past warm-up (a prefill, when
+    there was one, comes before them)."""
+    return values[-steps:][steps // 2:]
+
+
+class HostTimed:
+    """``step`` with the host time of each call kept: the time to *enqueue* it (no sync).
+
+    Why: the CUDA-event step time alone cannot say whether a variant waits on the host or on the
+    GPU; with the host time next to it, a variant whose host time is most of its step is
+    host-bound, and a slowdown shows on which side it is.
+    """
+
+    def __init__(self, step):
+        self.step, self.seconds = step, []
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        out = self.step(*args)
+        self.seconds.append(time.perf_counter() - start)
+        return out
+
+    def median_ms(self, steps: int) -> float:
+        """Median over :func:`second_half` of the calls, in ms."""
+        return statistics.median(second_half(self.seconds, steps)) * 1e3
+
+
+class GpuTimed:
+    """``step`` with CUDA events recorded around each call, and no wait for the GPU until asked.
+
+    Why: ``timing.time_decode`` waits for every step, as a server that reads each token on the host
+    does, so the host work before a replay (Dynamo's entry, the backend's checks) lands on the step
+    in full. With the host free to run ahead, that work overlaps the previous step's GPU time and
+    a step costs what the GPU spends from its start to its end, host time counting only where the
+    GPU waits for a launch. On a CPU everything runs as it is called: wall-clock per call.
+    """
+
+    def __init__(self, step, device: str):
+        self.step, self.device, self.marks = step, device, []
+        self._wall = HostTimed(step) if device != "cuda" else None  # a CPU's step ends when its call does
+
+    def __call__(self, *args):
+        if self._wall is not None:
+            return self._wall(*args)
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        out = self.step(*args)
+        end.record()
+        self.marks.append((begin, end))
+        return out
+
+    def median_ms(self, steps: int) -> float:
+        """Waits for the GPU once, then: the median over :func:`second_half` of the calls."""
+        if self._wall is not None:
+            return self._wall.median_ms(steps)
+        synchronize(self.device)
+        return statistics.median(begin.elapsed_time(end) for begin, end in second_half(self.marks, steps))
+
+
+def pipelined_decode_ms(step, model, batch: int, prompt: int, steps: int, device: str,
+                        tensor_pos: bool = False) -> float:
+    """``time_decode``'s decode (prefill ``prompt`` tokens, ``steps`` greedy steps, KV growing) without
+    waiting for the GPU between steps: the median GPU ms per step over the second half."""
+    reset_caches(model)
+
+    def where(p, n):
+        return torch.arange(p, p + n, device=device) if tensor_pos else p
+
+    timed_step = GpuTimed(step, device)
+    logits = step(torch.randint(0, model.cfg.vocab, (batch, prompt), device=device), where(0, prompt))
+    for pos in range(prompt, prompt + steps):
+        logits = timed_step(next_tokens(logits, batch > 1), where(pos, 1))
+    return timed_step.median_ms(steps)
+
+
+def sm_clock_mhz(device: str) -> int | None:
+    """The GPU's SM clock now (``nvidia-smi``), read right after a timed run; None without one.
+
+    Why: a one-graph step is bound by the GPU, and the H200's clock follows its load (345 MHz idle,
+    1980 under matmuls on these machines): a variant timed after a stretch of light, host-bound
+    work may run at a lower clock. With the clock in the row, that shows instead of being guessed.
+    """
+    if device != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    target = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", target],
+                             capture_output=True, text=True, timeout=10)
+        return int(out.stdout.split()[0])
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
+def replay_ms(replay, steps: int, device: str, pipelined: bool = False) -> tuple[float, float]:
+    """Median over the second half of ``steps`` timed calls of ``replay``: (step ms, host ms);
+    ``pipelined``: without waiting for the GPU between calls (:class:`GpuTimed`)."""
+    replay = HostTimed(replay)
+    if pipelined:
+        gpu_timed = GpuTimed(replay, device)
+        for _ in range(steps):
+            gpu_timed()
+        return gpu_timed.median_ms(steps), replay.median_ms(steps)
+    times = [timed(replay, device)[1] for _ in range(steps)]
+    return statistics.median(second_half(times, steps)), replay.median_ms(steps)

@@ -10,9 +10,13 @@ import torch
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import host_speed  # noqa: E402
 import plot  # noqa: E402
 import record  # noqa: E402
 import suite  # noqa: E402
+import suite_models  # noqa: E402
+import suite_variants  # noqa: E402
+import timing  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
@@ -63,7 +67,7 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
 
     # "full speed" is relative to the process's fastest probe: one an earlier test took on a quieter
     # moment of a shared machine could leave none of these rounds within it
-    monkeypatch.setattr(suite, "_FASTEST_PROBE", [float("inf")])
+    monkeypatch.setattr(host_speed, "FASTEST_PROBE", [float("inf")])
 
     args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=3,
                               prompt=4, rounds=3)
@@ -81,7 +85,7 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
         # CI host once left none), the rule is
         fastest = rows[variant]["host_probe_fastest_us"]
         assert rows[variant]["fast_host_rounds"] == sum(
-            p <= suite.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]), rows[variant]
+            p <= host_speed.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]), rows[variant]
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
@@ -90,9 +94,9 @@ def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
     """Same prefill, same positions, the same greedy tokens fed back: only the waiting differs."""
     from benchmarks.timing import time_decode
 
-    model = suite.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
+    model = suite_models.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
     runs = []
-    for decode in (lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0], lambda step: suite.pipelined_decode_ms(
+    for decode in (lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0], lambda step: timing.pipelined_decode_ms(
             step, model, 2, 4, 5, "cpu")):
         calls = []
 
@@ -141,9 +145,9 @@ def test_dynamo_floor_runs_nothing_but_the_replay_behind_dynamo():
         calls.append(1)
         return out
 
-    model = suite.toy_model("tiny", "cpu", suite.IDIOMS["tiny-whole-cache"][1], max_batch=2, max_seq=32)
+    model = suite_models.toy_model("tiny", "cpu", suite_models.IDIOMS["tiny-whole-cache"][1], max_batch=2, max_seq=32)
     model.set_batch(2)
-    step = torch.compile(model, backend=suite.floor_backend(replay))
+    step = torch.compile(model, backend=suite_variants.floor_backend(replay))
     with torch.inference_mode():
         results = [step(torch.zeros(2, 1, dtype=torch.long), pos) for pos in (3, 4, 5)]
     assert len(calls) == 3 and all(r is out for r in results)
@@ -174,9 +178,9 @@ def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
     on the H200 the replays read ids out of the vocabulary (a device-side assert at batch 8)."""
     from toys.models import reset_caches
 
-    model = suite.toy_model("tiny", "cuda")
+    model = suite_models.toy_model("tiny", "cuda")
     with torch.inference_mode():
-        replay, _ = suite.limit_graph(model, batch=2, prompt=8, device="cuda")
+        replay, _ = suite_variants.limit_graph(model, batch=2, prompt=8, device="cuda")
         junk = [torch.full((2, 1), 3, device="cuda") for _ in range(1024)]  # lands in any freed block of that size
         logits = replay().clone()
         ids, pos = replay.inputs
@@ -198,11 +202,11 @@ def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
              "step_ms_rounds": [5.0, 5.1], "host_probe_us_rounds": [27.0, 28.0]},
             {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom",
              "step_ms_rounds": [], "host_probe_us_rounds": [1.0]}]  # an error row's probes do not count
-    suite.fast_host_times(rows)
-    suite.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
+    host_speed.fast_host_times(rows)
+    host_speed.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
     assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
         [(1, 0.70), (0, None), (0, None), (None, None)]
-    suite.fast_host_times(rows)
+    host_speed.fast_host_times(rows)
     assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
         [(2, 0.705), (2, 0.85), (0, None), (None, None)]
     assert rows[0]["host_probe_fastest_us"] == 10.0
@@ -222,12 +226,12 @@ def test_host_probe_times_python_in_microseconds():
 def test_a_settled_probe_waits_for_the_host_at_full_speed(monkeypatch):
     """Probes slower than ``FAST_HOST`` times the fastest so far are taken again, up to the wait."""
     probes = iter([10.0, 30.0, 29.0, 11.0, 40.0])
-    monkeypatch.setattr(suite, "host_probe_us", lambda: next(probes))
-    monkeypatch.setattr(suite, "_FASTEST_PROBE", [float("inf")])
-    monkeypatch.setattr(suite.time, "sleep", lambda s: None)
-    assert suite.settled_probe(0) == 10.0
-    assert suite.settled_probe(60) == 11.0  # 30 and 29 waited out
-    assert suite.settled_probe(0) == 40.0  # no wait allowed: the slow probe is what it is
+    monkeypatch.setattr(host_speed, "host_probe_us", lambda: next(probes))
+    monkeypatch.setattr(host_speed, "FASTEST_PROBE", [float("inf")])
+    monkeypatch.setattr(host_speed.time, "sleep", lambda s: None)
+    assert host_speed.settled_probe(0) == 10.0
+    assert host_speed.settled_probe(60) == 11.0  # 30 and 29 waited out
+    assert host_speed.settled_probe(0) == 40.0  # no wait allowed: the slow probe is what it is
 
 
 def test_ratios_to_limit_and_table():
@@ -452,7 +456,7 @@ def test_ab_versions_runs_each_versions_own_suite(tmp_path):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a GPU")
 def test_gpu_timed_records_events_and_waits_only_when_asked():
-    timed = suite.GpuTimed(lambda: torch.ones(1024, device="cuda").mul_(2), "cuda")
+    timed = timing.GpuTimed(lambda: torch.ones(1024, device="cuda").mul_(2), "cuda")
     outs = [timed() for _ in range(6)]
     assert len(timed.marks) == 6 and all(isinstance(m, torch.cuda.Event) for pair in timed.marks for m in pair)
     assert timed.median_ms(6) > 0  # elapsed_time raises on an event that has not completed: the wait worked

@@ -80,13 +80,16 @@ def _shape_key(fake_inputs: tuple, needed: set) -> tuple[ShapeKey, set]:
 
 
 def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake_outputs: Mapping, key: ShapeKey,
-             unmasked: Mapping, row_access: Mapping, batch_sized: Mapping, inputs: GraphInputs) -> PaddingPlan:
+             unmasked: Mapping, inputs: GraphInputs) -> PaddingPlan:
     """The KV writes moved into compute pieces are masked to the caller's rows, so they neither
-    forbid padding nor count as mixing rows (``row_access`` names them): only each piece's
-    ``unmasked`` writes do. They do read and write their caches by batch row, so a padded batch may
-    not exceed those caches' rows: the capacities."""
+    forbid padding nor count as mixing rows (the rewrite's ``row_access`` names them): only each
+    piece's ``unmasked`` writes do. They do read and write their caches by batch row, so a padded
+    batch may not exceed those caches' rows: the capacities."""
     if key.pad_position is None:
         return PaddingPlan({}, None, (), "no dynamic batch size: one shape, captured as is")
+    row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
+    batch_sized = {name: facts.value_symbols(v, with_offset=False)  # only whole writes need them
+                   for name, v in zip(inputs.names, inputs.fake_inputs) if name in split.whole_writes}
     sym = key.symbols[key.pad_position]
     in_place_rows = _in_place_batch_rows(split, inputs, sym)
     # a whole-tensor write of a tensor without batch rows (a step counter) leaves padded rows nothing to write
@@ -219,11 +222,7 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     key, missing = _shape_key(inputs.fake_inputs, needed - split.step_symbols)
     scalars = _scalars_read_by_compute(split, inputs)
     key = dataclasses.replace(key, values=tuple(sorted(scalars)))
-    row_access = inputs.rewrite.row_access if inputs.rewrite is not None else {}
-    symbols = {n.name: facts.value_symbols(v, with_offset=False)  # only whole writes need them
-               for n, v in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs)
-               if n.name in split.whole_writes}
-    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, row_access, symbols, inputs)
+    padding = _padding(config, split, compiled, fake_outputs, key, unmasked, inputs)
     calls = _attention_calls(split)
     return GraphPlan(
         split=split, compiled=dict(compiled),
@@ -232,8 +231,7 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(
-            config, inputs.fake_inputs, missing, [n.name for n in facts.placeholders(inputs.graph_module.graph)],
-            inputs.python_scalars),
+            config, inputs.fake_inputs, missing, list(inputs.names), inputs.python_scalars),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         collective_groups=tuple(collective_groups(inputs.graph_module.graph)),
         sdpa_choice=choose_sdpa(config.eager_sdpa_backends,

@@ -29,6 +29,7 @@ import torch
 from .. import _torch_internals
 from ..config import PiecewiseConfig
 from ..kinds import CaptureHow, Miss, PieceKind
+from . import messages
 from .call_guard import call_guard
 from .capture_policy import CapturePolicy, Route
 from .capture_retries import CaptureRetries
@@ -227,21 +228,11 @@ class CompiledGraph:
             detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
                       f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
             self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
-            self.warn_once("weights bound", f"piecewise: graph {self.serial}: {detail}: this call runs "
-                                            f"un-graphed. If the same addresses come again, they get graphs "
-                                            f"in place of the least recently used set; addresses new at every "
-                                            f"call (beam search's reordered static cache) stay un-graphed: "
-                                            f"use the dynamic cache there. Raise max_weight_sets to keep more "
-                                            f"sets; pass the same tensor each call where the graph writes one "
-                                            f"you own (a cache).")
+            self.warn_once("weights bound", messages.weights_bound(self.serial, detail))
             return False
         if weight_set.number > 1:
-            self.warn_once("weights moved", f"piecewise: graph {self.serial}: its parameters/buffers (or inputs "
-                                            f"it writes in place) are at new addresses ({moved}; "
-                                            f"load_state_dict(assign=True), .to(), another model's weights, a new "
-                                            f"cache): capturing graphs for them (set {weight_set.number}; at "
-                                            f"most {self.weights.limit} kept, the least recently used replaced); "
-                                            f"the tensors captured before are never written.")
+            self.warn_once("weights moved", messages.weights_moved(self.serial, moved, weight_set.number,
+                                                                   self.weights.limit))
         self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
         self.stats.weight_sets_replaced = self.weights.replaced
         self._activate(addresses, weight_set)
@@ -283,18 +274,9 @@ class CompiledGraph:
         instead = (f"Those calls replay the graph of {route.key}, padded" if route.key is not None
                    else "Those calls run un-graphed")
         if route.miss == Miss.OVER_BUDGET:
-            self.warn_once(route.miss, f"piecewise: graph {self.serial}: not capturing shape key {key}: "
-                                      f"{route.detail}. {instead} (see stats.summary()).")
+            self.warn_once(route.miss, messages.over_budget(self.serial, key, route.detail, instead))
         elif route.miss == Miss.NEVER_REPLAYED:
-            self.warn_once(route.miss, f"piecewise: graph {self.serial}: not capturing new shapes: "
-                                      f"{route.detail}. Each would be a graph captured for one call. {instead}; "
-                                      f"shapes captured still replay. "
-                                      f"In a decode step, usually a KV length inside a compute piece: "
-                                      f"attention that is not scaled_dot_product_attention (transformers: "
-                                      f"attn_implementation=\"sdpa\" where the model supports it, or the "
-                                      f"static cache, whose shapes are fixed), or your own attention op "
-                                      f"not in extra_splitting_ops; in a prefill, prompts of many lengths "
-                                      f"(pad them to a few lengths to get graphs).")
+            self.warn_once(route.miss, messages.never_replayed(self.serial, route.detail, instead))
 
     def capturing_step(self, key: tuple, how: CaptureHow, sym_values: dict, run):
         """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""

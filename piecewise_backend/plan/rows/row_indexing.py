@@ -8,6 +8,7 @@ Indexing is where rows meet capacities: ``x[:, 1:]`` on a batched tensor keeps r
 
 from __future__ import annotations
 
+import abc
 import operator
 
 import sympy
@@ -19,8 +20,17 @@ from ...fx import graph_facts as facts
 from .row_ops import Refused, base, norm_dim, op_name
 
 
-class IndexingRules:
-    """Mixed into the analysis, which provides ``capacity`` and ``is_batch_size``."""
+class IndexingRules(abc.ABC):
+    """The indexing half of the proof, a base of ``row_independence._Analysis``, which supplies the
+    two facts it needs of the whole proof (abstract here, so a class that lacks one cannot be made)."""
+
+    @abc.abstractmethod
+    def capacity(self, tensor: torch.fx.Node, dim: int, why: str) -> None:
+        """Record that a padded batch reads or writes ``tensor``'s rows along ``dim`` (a capacity)."""
+
+    @abc.abstractmethod
+    def is_batch_size(self, value) -> bool:
+        """Whether ``value`` (an int, a SymInt, a node) is the batch size itself."""
 
     def indexed(self, node, first, first_value, batched, where: str) -> None:
         """``x[index]``: every entry that meets the batch dim must take all of it."""
@@ -96,9 +106,9 @@ class IndexingRules:
     def set_rows(self, node, batched, where: str) -> None:
         target, index, value = node.args
         target_value = facts.example_value(target)
-        if any(e in batched for e in (index if isinstance(index, tuple) else (index,)) if isinstance(e, torch.fx.Node)):
-            raise Refused(f"{where} writes through a batched index tensor")
         entries = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(e, torch.fx.Node) and e in batched for e in entries):
+            raise Refused(f"{where} writes through a batched index tensor")
         if target not in batched:
             raise Refused(f"{where} writes batch rows into a tensor that has no batch dim")
         batch_dim = batched[target][0]
