@@ -181,7 +181,7 @@ def piecewise_facts(calls_before: dict | None = None) -> dict:
     return {"graphs": len(graphs), "decode_pieces": busiest.stats.num_pieces,
             "decode_compute_pieces": busiest.stats.num_compute_pieces, "replays": busiest.stats.replays,
             "captures": busiest.stats.captures, "ungraphed_runs": busiest.stats.ungraphed_runs,
-            "attention": [how for _, how in busiest.plan.attention][:1],
+            "attention": [how for _, how in busiest.plan.report.attention][:1],
             "shape_key": [str(s) for s in busiest.plan.key.symbols],
             "misses": {str(miss): busiest.stats.miss_details.get(miss, "")[:300]
                        for miss, n in busiest.stats.misses.items() if n}}

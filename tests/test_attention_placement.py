@@ -33,7 +33,7 @@ def _static_cache_decode(options):
 
 def test_fixed_shape_decode_attention_is_compiled_with_its_piece():
     graph = _static_cache_decode({})
-    assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"] * CFG.layers
+    assert [how for _, how in graph.plan.report.attention] == ["graph: compiled with its piece"] * CFG.layers
     assert not [p for p in graph.pieces if p.kind == PieceKind.SPLIT]
     assert graph.stats.replays > 0
 
@@ -41,7 +41,7 @@ def test_fixed_shape_decode_attention_is_compiled_with_its_piece():
 def test_graph_attention_off_keeps_fixed_shape_attention_eager():
     graph = _static_cache_decode(SPLIT_ATTENTION)
     assert len([p for p in graph.pieces if p.kind == PieceKind.SPLIT]) == CFG.layers
-    assert all(how.startswith("eager: ") for _, how in graph.plan.attention)
+    assert all(how.startswith("eager: ") for _, how in graph.plan.report.attention)
 
 
 class CatCacheModel(torch.nn.Module):
@@ -85,7 +85,7 @@ def test_a_cache_grown_by_cat_runs_beside_attention_and_compute_pieces_replay():
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # one capture for every KV length
     assert graph.stats.replays >= 3
     assert any("grows a cache by cat" in why for p in graph.pieces for why in p.eager_reasons)
-    assert any("grow by torch.cat" in how for _, how in graph.plan.attention)
+    assert any("grow by torch.cat" in how for _, how in graph.plan.report.attention)
 
 
 class IndexWrites(torch.nn.Module):
@@ -184,7 +184,7 @@ def test_a_mask_gathered_from_a_growing_input_runs_beside_fixed_shape_attention(
         return (attention_mask,)
 
     graph = _decode_with_growing_cache(FullWindowModel().eval(), attention_mask_with_a_padded_position, past=3)
-    assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"]
+    assert [how for _, how in graph.plan.report.attention] == ["graph: compiled with its piece"]
     assert graph.stats.captured_keys == {()}, graph.stats.summary()  # not one capture per mask length
     assert graph.stats.replays >= 3
     assert any("depends on a KV length" in why for p in graph.pieces for why in p.eager_reasons)

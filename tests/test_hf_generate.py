@@ -113,14 +113,14 @@ def _assert_dynamic_cache_replays(start):
     decode = busiest_graph(start)
     assert decode.stats.replays > 0
     assert all(len(key) <= 1 for key in decode.stats.captured_keys), decode.stats.summary()
-    assert any("grow by torch.cat" in how for _, how in decode.plan.attention), decode.plan.attention
+    assert any("grow by torch.cat" in how for _, how in decode.plan.report.attention), decode.plan.report.attention
 
 
 def _assert_static_decode_is_one_graph(start):
     decode = busiest_graph(start)
     assert decode.stats.num_pieces == 1, decode.stats.summary()
     assert decode.stats.replays > 0
-    assert all(how == "graph: compiled with its piece" for _, how in decode.plan.attention)
+    assert all(how == "graph: compiled with its piece" for _, how in decode.plan.report.attention)
 
 
 @pytest.mark.usefixtures("emulated_graphs")

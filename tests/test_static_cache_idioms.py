@@ -103,7 +103,7 @@ def test_static_cache_decode_step_is_one_graph_and_matches_eager(write, gqa, mas
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
-    assert [how for _, how in graph.plan.attention] == ["graph: compiled with its piece"]
+    assert [how for _, how in graph.plan.report.attention] == ["graph: compiled with its piece"]
 
 
 class CallerCacheStep(torch.nn.Module):

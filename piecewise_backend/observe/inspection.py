@@ -60,14 +60,14 @@ class SplitReport:
         for spec in graph.pieces:
             compiled = graph.compiled.get(spec.name)
             runner = graph.runners.get(spec.name)
-            inputs, output = plan.signatures.get(spec.name, ((), ""))
+            inputs, output = plan.report.signatures.get(spec.name, ((), ""))
             self.pieces.append(PieceInfo(
                 index=spec.index, name=spec.name, kind=spec.kind, num_ops=spec.num_ops, split_ops=spec.split_ops,
                 why_eager=spec.eager_reasons, inputs=inputs, output=output,
                 graphed=runner is not None and graph.graphs_disabled_reason is None,
                 compiled_as=compiled.shared_with if compiled else None,
                 captured=tuple(runner.captures) if runner else (),
-                code=plan.code[spec.name],
+                code=plan.report.code[spec.name],
                 inductor_code=compiled.inductor_code if compiled else None))
 
     # -- access -----------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ class SplitReport:
     @property
     def attention(self) -> list[dict]:
         """Each attention call, in order: its node and how it runs (``graph: ...`` or ``eager: why``)."""
-        return [{"node": name, "runs": how} for name, how in self.graph.plan.attention]
+        return [{"node": name, "runs": how} for name, how in self.graph.plan.report.attention]
 
     def headline(self) -> str:
         s = self.graph.stats

@@ -27,7 +27,7 @@ from .padding import plan_padding
 from .sdpa_choice import choose as choose_sdpa
 from .signatures import piece_signatures
 from .staging import stage_keys
-from .types import GraphInputs, GraphPlan, PaddingPlan, PiecePlan, ShapeKey, graph_device
+from .types import GraphInputs, GraphPlan, PaddingPlan, PiecePlan, PlanReport, ShapeKey, graph_device
 
 
 def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset(),
@@ -227,7 +227,6 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     return GraphPlan(
         split=split, compiled=dict(compiled),
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names | set(scalars.values()), unmasked),
-        signatures=dict(signatures), code=_piece_code(split), attention=_attention(calls),
         inputs=inputs, fake_outputs=dict(fake_outputs),
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(
@@ -239,4 +238,5 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
                                  and node.target is not PREFIX_ATTENTION],
                                 "cuda" if emulating() else
                                 graph_device(inputs.fake_inputs, inputs.python_scalars).type),
-        inductor_compiles=compiler.inductor_compiles, inductor_seconds=compiler.inductor_seconds)
+        report=PlanReport(dict(signatures), _piece_code(split), _attention(calls), compiler.inductor_compiles,
+                          compiler.inductor_seconds))

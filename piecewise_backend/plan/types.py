@@ -120,13 +120,21 @@ class PaddingPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class PlanReport:
+    """What the plan tells people (the inspection report, the stats), apart from what runs a call."""
+
+    signatures: Mapping[str, tuple]  # piece name -> (described inputs, described output)
+    code: Mapping[str, str]  # piece name -> its FX code (wrapping hides the submodules)
+    attention: tuple  # (node name, how it runs) per attention call, in order (``making._attention``)
+    inductor_compiles: int
+    inductor_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphPlan:
     split: SplitGraph
     compiled: Mapping[str, CompiledPiece]
     pieces: Mapping[str, PiecePlan]  # compute pieces, in execution order
-    signatures: Mapping[str, tuple]  # piece name -> (described inputs, described output)
-    code: Mapping[str, str]  # piece name -> its FX code (for inspection; wrapping hides the submodules)
-    attention: tuple  # (node name, how it runs) per attention call, in order: see ``_attention``
     inputs: GraphInputs
     fake_outputs: Mapping[str, Any]  # every piece's fake output (up-front capture's stand-ins)
     key: ShapeKey
@@ -135,8 +143,7 @@ class GraphPlan:
     unmasked_writes: tuple  # buffers compute pieces write at the caller's positions (full mode)
     collective_groups: tuple  # process groups whose ranks must decide captures together (collectives.py)
     sdpa_choice: SdpaChoice | None  # the SDPA kernels eager attention may use (None: torch's choice)
-    inductor_compiles: int
-    inductor_seconds: float
+    report: PlanReport  # what it tells people; nothing that runs a call reads it
 
     @property
     def device(self) -> torch.device:

@@ -107,7 +107,7 @@ class CompiledGraph:
     split = property(lambda self: self.plan.split)
     compiled = property(lambda self: self.plan.compiled)
     pieces = property(lambda self: self.plan.split.pieces)
-    signatures = property(lambda self: self.plan.signatures)
+    signatures = property(lambda self: self.plan.report.signatures)
     key_symbols = property(lambda self: self.plan.key.symbols)
     pad_position = property(lambda self: self.plan.key.pad_position)
     graphs_disabled_reason = property(lambda self: self.plan.graphs_disabled_reason)

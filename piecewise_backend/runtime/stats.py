@@ -73,11 +73,11 @@ class GraphStats:
         compute = len(plan.pieces)
         return cls(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
                    num_split_pieces=len(plan.split.pieces) - compute,
-                   inductor_compiles=plan.inductor_compiles, inductor_seconds=plan.inductor_seconds,
+                   inductor_compiles=plan.report.inductor_compiles, inductor_seconds=plan.report.inductor_seconds,
                    graphs_disabled_reason=plan.graphs_disabled_reason,
                    padding=plan.padding.note, unsafe_ops=plan.split.unsafe_ops,
                    eager_sdpa=plan.sdpa_choice.reason if plan.sdpa_choice is not None else "",
-                   attention=dict(collections.Counter(how for _, how in plan.attention)))
+                   attention=dict(collections.Counter(how for _, how in plan.report.attention)))
 
     @property
     def captures(self) -> int:
