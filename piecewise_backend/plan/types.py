@@ -5,8 +5,8 @@ compile → plan → wrap); ``runtime/`` imports these types and nothing else of
 :class:`GraphPlan` holds the pieces and how each is run (:class:`PiecePlan`), the shape key read
 per call (:class:`ShapeKey`), whether and how batches are padded (:class:`PaddingPlan`), and why
 the graph gets no CUDA graphs at all, if it does not. Frozen: nothing changes it once made (the
-run time wraps its pieces in a copy of the split graph). No fake value of an intermediate
-outlives it.
+run time wraps its pieces in a copy of the split graph, and writes each call's positions into step
+scalars of its own, ``StepScalars.fresh``). No fake value of an intermediate outlives it.
 """
 
 from __future__ import annotations

@@ -83,6 +83,11 @@ class StepScalars:
         self._called: list | None = None  # this call's values
         self._before: list | None = None  # the previous call's
 
+    def fresh(self) -> "StepScalars":
+        """The same layout with a device tensor and per-call state of its own: what a compiled graph
+        writes at run time (the plan keeps this one as compile time made it)."""
+        return StepScalars(self.slots, self.tensor.device, self.writes_masked)
+
     def refresh(self, args: tuple) -> tuple:
         """Check this call's positions, write the ones the device does not hold; ``args`` + the tensor.
 

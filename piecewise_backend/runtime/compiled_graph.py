@@ -75,7 +75,8 @@ class CompiledGraph:
         self._warned: set = set()
         self._forward = _one_piece_forward(self.split_module) or \
             _torch_internals.generated_forward(self.split_module)
-        self.step_scalars = plan.step_scalars
+        # the positions written per call: state of this graph's own (the plan's step scalars are a layout)
+        self.step_scalars = plan.step_scalars.fresh() if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
         self._any_requires_grad = plan.any_requires_grad
