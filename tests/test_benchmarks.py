@@ -498,7 +498,7 @@ def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
     def graph(serial, calls, captures):
         stats = types.SimpleNamespace(calls=calls, num_pieces=1, num_compute_pieces=1, replays=0, captures=captures,
                                       ungraphed_runs=0, misses={}, miss_details={})
-        plan = types.SimpleNamespace(attention=(), key=types.SimpleNamespace(symbols=()))
+        plan = types.SimpleNamespace(report=types.SimpleNamespace(attention=()), key=types.SimpleNamespace(symbols=()))
         return types.SimpleNamespace(serial=serial, stats=stats, plan=plan)
 
     old, new = graph(1, 100, 1), graph(2, 0, 2)
