@@ -31,7 +31,6 @@ from . import _torch_internals
 from .compiling.piece_compiler import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from .fx import graph_facts as facts
-from .kinds import PieceKind
 from .op_names import GRAPH_ATTENTION_OP
 from .plan.making import graphs_disabled_reason, make_plan
 from .plan.types import GraphInputs, GraphPlan
@@ -71,8 +70,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     inputs = _rewrite(gm, example_inputs, config)
     split = _split(inputs, config)
     compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config))
-    compute_names = {p.name for p in split.pieces if p.kind == PieceKind.COMPUTE}
-    compiled, fake_outputs, node_values = compile_pieces(split.graph_module, compute_names, inputs.fake_inputs,
+    compiled, fake_outputs, node_values = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs,
                                                          compiler)
     plan = make_plan(config, inputs, split, compiled, fake_outputs, node_values, compiler)
     del node_values  # fake values of every intermediate: the plan keeps none

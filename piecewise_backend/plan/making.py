@@ -176,14 +176,13 @@ def _scalars_read_by_compute(split: SplitGraph, inputs: GraphInputs) -> dict[int
     like parameters they are passed in place, never copied. Floats only eager pieces read (attention's
     ``scaling``) stay out of the key: eager code reads them afresh each call.
     """
-    names = {n.name: i for i, n in enumerate(facts.placeholders(inputs.graph_module.graph))
-             if i in inputs.python_scalars}
+    names = {name: i for i, name in enumerate(inputs.names) if i in inputs.python_scalars}
     return {names[name]: name for name in _read_by_compute(split) if name in names}
 
 
 def _read_by_compute(split: SplitGraph) -> set[str]:
     """Names of the graph inputs that compute pieces take as arguments."""
-    compute = {spec.name for spec in split.pieces if spec.kind == PieceKind.COMPUTE}
+    compute = split.compute_names
     return {a.name for n in split.graph_module.graph.nodes if n.op == "call_module" and str(n.target) in compute
             for a in n.args if isinstance(a, torch.fx.Node) and a.op == "placeholder"}
 
@@ -193,10 +192,10 @@ def _in_place_batch_rows(split: SplitGraph, inputs: GraphInputs, sym) -> str | N
     batch size (a static cache made for each batch size, written at its own address): a padded
     batch would have rows that tensor does not. None when there is none."""
     read = _read_by_compute(split)
-    for node, value in zip(facts.placeholders(inputs.graph_module.graph), inputs.fake_inputs):
-        if node.name in inputs.static_names and node.name in read and isinstance(value, torch.Tensor) \
+    for name, value in zip(inputs.names, inputs.fake_inputs):
+        if name in inputs.static_names and name in read and isinstance(value, torch.Tensor) \
                 and sym in facts.value_symbols(value, with_offset=False):
-            return (f"{node.name} {tuple(value.shape)} is used in place and has the batch size {sym} in its "
+            return (f"{name} {tuple(value.shape)} is used in place and has the batch size {sym} in its "
                     f"shape: a padded batch would have rows it does not")
     return None
 
@@ -209,8 +208,8 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
               fake_outputs: Mapping, node_values: Mapping, compiler) -> GraphPlan:
     """Decide, from what the compile stages found, everything the compiled graph does per call.
     ``node_values``: the fake value of every node of the split graph (read here, kept nowhere)."""
-    compute_names = {p.name for p in split.pieces if p.kind == PieceKind.COMPUTE}
-    staging = stage_keys(split.graph_module, node_values, compute_names, split.written_inputs, inputs.static_names)
+    staging = stage_keys(split.graph_module, node_values, split.compute_names, split.written_inputs,
+                         inputs.static_names)
     signatures = piece_signatures(split.graph_module, node_values)
     masked = inputs.masked_buffers
     # per compute piece, the inputs it writes at the caller's positions (not masked to its rows)

@@ -51,8 +51,7 @@ class GraphInputs:
 
     @functools.cached_property
     def static_inputs(self) -> frozenset:
-        return frozenset(i for i, n in enumerate(facts.placeholders(self.graph_module.graph))
-                         if n.name in self.static_names)
+        return frozenset(i for i, name in enumerate(self.names) if name in self.static_names)
 
     @functools.cached_property
     def python_scalars(self) -> frozenset:

@@ -68,6 +68,11 @@ class SplitGraph:
     def piece(self, name: str) -> PieceSpec:
         return next(p for p in self.pieces if p.name == name)
 
+    @property
+    def compute_names(self) -> frozenset:
+        """The names of the compute pieces (compiled, graphed)."""
+        return frozenset(p.name for p in self.pieces if p.kind == COMPUTE)
+
 
 def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
               forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict,
