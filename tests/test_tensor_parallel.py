@@ -46,7 +46,7 @@ def _fail_capture_at(key: tuple, nth: int) -> None:
     PieceRunner._record = failing_record
 
 
-def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None) -> None:
+def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         from piecewise_backend import emulated_graphs
@@ -55,7 +55,8 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
         if fail_at is not None and fail_at[0] == rank:
             _fail_capture_at(*fail_at[1:])
         with emulated_graphs(emulate):
-            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank])
+            moved = move_at[1] if move_at is not None and move_at[0] == rank else None
+            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank], move_weight_before=moved)
         import piecewise_backend
 
         result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
@@ -70,12 +71,14 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
     (out_dir / f"rank{rank}.exited").write_text("destroy_process_group returned")
 
 
-def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600) -> list[dict]:
+def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600,
+                   move_at=None) -> list[dict]:
     """Both ranks' results; fails (instead of hanging) if the ranks do not finish in ``timeout_s``,
     which is what unpaired collectives do."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at), nprocs=WORLD, join=False)
+    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at, move_at), nprocs=WORLD,
+                       join=False)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=5):
@@ -134,6 +137,24 @@ def test_a_capture_that_fails_on_one_rank_is_given_up_on_both(tmp_path):
         assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
     assert any("injected capture failure" in f for f in second["failures"]), second["failures"]
     assert any("failed on another rank" in f for f in first["failures"]), first["failures"]
+
+
+def test_weights_that_move_on_one_rank_switch_sets_on_both(tmp_path):
+    # Before the fourth call (batch 5, replayed padded to 8) rank 1 moves one weight to new memory,
+    # and rank 1 keeps one set of weights only. Alone, rank 1 would run that call un-graphed on 5
+    # rows while rank 0 all-reduces the padded graph's 8 (gloo aborts, NCCL hangs), then capture
+    # the next calls' sizes while rank 0 replays. Agreed: that call runs un-graphed on both ranks,
+    # the next switches both ranks to a fresh set, and both capture the same keys again.
+    from piecewise_backend.kinds import Miss
+
+    options = [{"capture_sizes": [2, 4, 8]}, {"capture_sizes": [2, 4, 8], "max_weight_sets": 1}]
+    first, second = _run_two_ranks(tmp_path, options, emulate=True, move_at=(1, 3), timeout_s=300)
+    for result in (first, second):
+        assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
+        assert result["misses"].get(Miss.WEIGHTS_MOVED) == 1, result
+    assert first["captured"] == second["captured"] and first["captures"] == second["captures"], (first, second)
+    assert "another rank" in first["miss_details"][Miss.WEIGHTS_MOVED], first
+    assert "max_weight_sets=1" in second["miss_details"][Miss.WEIGHTS_MOVED], second
 
 
 @pytest.mark.cuda

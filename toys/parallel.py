@@ -94,10 +94,12 @@ def toy_and_shard(cfg: ToyConfig, rank: int, world: int, device: str, dtype: tor
 
 
 def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4), options: dict | None = None,
-                 cfg: ToyConfig | None = None) -> dict:
+                 cfg: ToyConfig | None = None, move_weight_before: int | None = None) -> dict:
     """Compile this rank's shard with the piecewise backend, decode at changing batch sizes next to
     the whole model run eagerly, and report the largest logit difference and the capture decisions.
 
+    ``move_weight_before``: the call before which this rank moves one weight to new memory (same
+    values), as a rank whose allocator gave a new tensor another address would.
     Needs ``torch.distributed`` initialised (the default group is the tensor-parallel group).
     """
     import piecewise_backend
@@ -112,7 +114,10 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
     with torch.no_grad(), sdpa_backends(device):
         reset_caches(full)
         reset_caches(shard)
-        for size in sizes:
+        for call, size in enumerate(sizes):
+            if call == move_weight_before:
+                weight = shard.layers[0].mlp.up.weight
+                weight.data = weight.data.clone()
             ids = torch.randint(0, cfg.vocab, (size, 1), generator=g).to(device)
             if size > 1:
                 torch._dynamo.mark_dynamic(ids, 0)
@@ -122,8 +127,9 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
     graphs = [g for g in piecewise_backend.compiled_graphs() if g.pad_position is not None]
     main = max(graphs, key=lambda g: g.stats.calls)
     return {"rank": rank, "max_abs_diff": worst, "captured": sorted(main.captured),
-            "misses": dict(main.stats.misses), "replays": main.stats.replays,
-            "agreement": main.policy.agreement is not None}
+            "misses": dict(main.stats.misses), "miss_details": dict(main.stats.miss_details),
+            "replays": main.stats.replays, "captures": sum(p.captures for p in main.stats.pieces.values()),
+            "weight_sets": main.stats.weight_sets, "agreement": main.policy.agreement is not None}
 
 
 # NVLink multicast stays off: on shared multi-GPU hosts a program using it can take the host's GPUs

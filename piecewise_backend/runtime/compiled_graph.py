@@ -157,7 +157,7 @@ class CompiledGraph:
             self._count_batch(args)
             step.ungraphed()
             return self._forward(*args)
-        if not self.weights.unchanged(args) and not self._use_weights(self.weights.addresses(args), args):
+        if not self._weights_ready(args):
             step.ungraphed()
             self.stats.misses[Miss.WEIGHTS_MOVED] += 1
             return self._forward(*args)
@@ -219,18 +219,36 @@ class CompiledGraph:
         if position is not None:
             self.stats.batch_sizes[self._shape_key(args)[position]] += 1
 
+    def _weights_ready(self, args: tuple) -> bool:
+        """Are the graphs of the call's parameter addresses the active ones, or made so now?
+
+        With collectives, every rank asks on every call whether all ranks' parameters are where
+        their graphs have them, and the ranks switch sets together (``distributed.py`` says why)."""
+        unchanged = self.weights.unchanged(args)
+        if self.agreement is not None:
+            unchanged = self.agreement.all_allow(unchanged)
+        return unchanged or self._use_weights(self.weights.addresses(args), args)
+
     def _use_weights(self, addresses: tuple, args: tuple) -> bool:
         """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
         False when the set is new, ``max_weight_sets`` sets have graphs, and these addresses have not
-        come before (they get graphs if they come again)."""
+        come before (they get graphs if they come again). With collectives, False on every rank
+        when it is False on one, and the set switched to starts without graphs on every rank (its
+        graphs, if it had any, are released): ranks whose addresses did not move capture again
+        beside the one whose did."""
         moved = self._first_moved(addresses)
         weight_set = self.weights.find(addresses)
-        if weight_set is None:
-            detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
-                      f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
+        detail = None if weight_set is not None else \
+            (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
+             f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
+        if self.agreement is not None:
+            detail = agreed_refusal(self.agreement, detail, messages.WEIGHTS_BOUND_ELSEWHERE)
+        if detail is not None:
             self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
-            self.warn_once("weights bound", messages.weights_bound(self.serial, detail))
+            self.warn_once("weights bound", messages.weights_bound(self.serial, detail, weight_set is not None))
             return False
+        if self.agreement is not None:
+            self._release_set(weight_set)
         if weight_set.number > 1:
             self.warn_once("weights moved", messages.weights_moved(self.serial, moved, weight_set.number,
                                                                    self.weights.limit))
@@ -311,14 +329,17 @@ class CompiledGraph:
             return self._release_graphs()
 
     def _release_graphs(self) -> int:
-        released = 0
-        for weight_set in self.weights.all():
-            released += len(weight_set.captured)
-            for captures in weight_set.captures.values():
-                captures.clear()
-            weight_set.captured.clear()
-            weight_set.unreplayed.clear()
-            weight_set.routes.clear()  # routes to captured keys would replay graphs that are gone
+        return sum(map(self._release_set, self.weights.all()))
+
+    @staticmethod
+    def _release_set(weight_set: WeightSet) -> int:
+        """Forget one set's graphs; the number of keys released."""
+        released = len(weight_set.captured)
+        for captures in weight_set.captures.values():
+            captures.clear()
+        weight_set.captured.clear()
+        weight_set.unreplayed.clear()
+        weight_set.routes.clear()  # routes to captured keys would replay graphs that are gone
         return released
 
     def pool_bytes(self) -> int:

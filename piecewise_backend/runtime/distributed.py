@@ -1,15 +1,27 @@
-"""Ranks that run in lockstep must capture in lockstep: capture decisions agreed across the group.
+"""Ranks that run in lockstep must capture in lockstep: per-call decisions agreed across the group.
 
 A graph with a collective in it (a tensor-parallel all-reduce) runs on every rank of that
 collective's group with the same shapes at the same step. Decisions that depend only on the shape
-key (capture sizes, padding, lazy vs eager) are therefore the same on every rank. The budget's are
-not: each rank measures its own graph pool. And a rank that captures runs each piece more often
-than one that does not (warm-up, then the replay that produces the call's outputs), so its
-collectives would no longer pair up with the other ranks': NCCL hangs. So whenever the budget is
-asked, the ranks of every group the graph's collectives use agree, by an all-reduce of "allowed",
-and capture only if all allow. Likewise after each piece's capture attempt: a capture that
-failed on one rank is given up on all (``PieceRunner``), before any replay, so every rank runs that
-piece the same way.
+key (capture sizes, padding, lazy vs eager, deferral and retry counts) are therefore the same on
+every rank. Two kinds are not:
+
+* **The budget's**: each rank measures its own graph pool. So whenever the budget is asked, the
+  ranks agree, by an all-reduce of "allowed", and capture only if all allow. Likewise after each
+  piece's capture attempt: a capture that failed on one rank is given up on all (``PieceRunner``),
+  before any replay, so every rank runs that piece the same way.
+* **The weights'** (``weight_sets.py``): each rank checks its own parameters' addresses, and an
+  allocator may give one rank's new static cache the old address and the other's a new one. A rank
+  that switched to a new set of weights alone would capture (warm-up runs, then the replay: each
+  piece's collectives more often than the other ranks run them) while the others replay, and a rank
+  that ran un-graphed alone would all-reduce its real rows where the others all-reduce a padded
+  graph's. Either way the collectives stop pairing up: NCCL hangs, gloo aborts. So every call of
+  such a graph all-reduces "my parameters are where my graphs have them"; when any rank says no,
+  every rank switches together and starts the set it switches to without graphs, so that all ranks
+  hold graphs of the same shape keys and capture the next ones at the same calls.
+
+Why every call: a rank whose addresses did not move cannot know that another's did without asking.
+The question goes to a CPU (gloo) group of the same ranks, so that it never waits for the GPU: one
+small all-reduce per call, on graphs with collectives only.
 
 Which groups: read from the graph at compile time (``plan/collectives.py``), handed over in the
 plan as group names. A graph without collectives never talks to other ranks: data-parallel
@@ -22,21 +34,39 @@ import torch
 
 from .. import _torch_internals
 
+# A gloo group per tuple of ranks, for the questions of groups whose backend takes no CPU tensors
+# (NCCL): made once, by the first call that asks, which every rank of the group makes together.
+_HOST_GROUPS: dict[tuple[int, ...], object] = {}
+
+
+def host_group(group):
+    """``group`` itself if it takes CPU tensors (gloo, or gloo beside NCCL), else a gloo group of the
+    same ranks (``new_group(use_local_synchronization=True)``: only those ranks take part)."""
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = tuple(dist.get_process_group_ranks(group))
+    if ranks not in _HOST_GROUPS:
+        _HOST_GROUPS[ranks] = dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True)
+    return _HOST_GROUPS[ranks]
+
 
 class RankAgreement:
-    """``all_allow(ok)``: True only if every rank of every group passes True (one all-reduce each)."""
+    """``all_allow(ok)``: True only if every rank of every group passes True (one CPU all-reduce
+    per group, see :func:`host_group`); ``questions`` counts the calls, for tests and reports."""
 
     def __init__(self, group_names: list[str]):
         self.group_names = group_names
+        self.questions = 0
 
     def all_allow(self, ok: bool) -> bool:
         import torch.distributed as dist
 
+        self.questions += 1
         for name in self.group_names:
-            group = _torch_internals.resolve_process_group(name)
-            device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-            flag = torch.tensor([int(ok)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            flag = torch.tensor([int(ok)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group(_torch_internals.resolve_process_group(name)))
             ok = bool(flag.item())
         return ok
 

@@ -6,8 +6,16 @@ Each takes the facts of the case and returns the whole message (``piecewise: gra
 from __future__ import annotations
 
 
-def weights_bound(serial: int, detail: str) -> str:
-    """A new set of parameter addresses past ``max_weight_sets``: this call runs un-graphed."""
+WEIGHTS_BOUND_ELSEWHERE = ("another rank of this graph's process groups met parameters/buffers at a new set of "
+                           "addresses past its max_weight_sets")
+
+
+def weights_bound(serial: int, detail: str, elsewhere: bool = False) -> str:
+    """A new set of parameter addresses past ``max_weight_sets`` (here, or on another rank when
+    ``elsewhere``): this call runs un-graphed."""
+    if elsewhere:
+        return (f"piecewise: graph {serial}: {detail}: this call runs un-graphed on every rank, so that their "
+                f"collectives keep pairing up; if those addresses come again there, every rank gets graphs.")
     return (f"piecewise: graph {serial}: {detail}: this call runs un-graphed. If the same addresses come "
             f"again, they get graphs in place of the least recently used set; addresses new at every call "
             f"(beam search's reordered static cache) stay un-graphed: use the dynamic cache there. Raise "
