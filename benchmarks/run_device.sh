@@ -26,6 +26,9 @@
 #   bash benchmarks/run_device.sh serving [ARGS...] # serving.py ARGS: the serving engine, per variant and start
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
 #   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
+#   bash benchmarks/run_device.sh tp-tests          # two GPUs: tests/test_tensor_parallel.py (torchrun + NCCL too)
+#   bash benchmarks/run_device.sh tp-hf [ARGS...]   # two GPUs: hf_tensor_parallel.py ARGS, fp32 tokens then bf16 ms
+#                                                   #   (both in results/h200x2_tensor_parallel.json)
 #   bash benchmarks/run_device.sh ab A_DIR B_DIR [ARGS...]  # ab_versions.py: two package versions, alternated
 #                                                   #   ($OUT/ab_versions.json; not merged into the results)
 #
@@ -47,6 +50,7 @@ python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 # quoted between rows of one GPU
 GPU=$(cd benchmarks && python -c "import record; print(record.gpu_slug())") || exit 1
 RESULTS=benchmarks/results/$GPU.json
+TP_RESULTS=benchmarks/results/h200x2_tensor_parallel.json  # the two-GPU parts' (tp-tests, tp-hf)
 RECORDED=$OUT/$GPU.json
 part=${1:-tests}
 shift || true
@@ -136,7 +140,22 @@ case "$part" in
     (cd benchmarks && timeout "${SUITE_TIMEOUT:-540}" python graph_kernels.py --json "$OUT/graph_kernels.json" "$@") \
       2>&1 | grep -v Warning | tee "$OUT/graph_kernels.log"
     record --graph-kernels "$OUT/graph_kernels.json" ;;
+  tp-tests)
+    # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the torchrun + NCCL one included
+    python -m pytest -q -rs tests/test_tensor_parallel.py --junitxml="$OUT/tp_pytest.xml" -p no:cacheprovider 2>&1 \
+      | tail -5
+    python benchmarks/record_tensor_parallel.py --junit "$OUT/tp_pytest.xml" --previous "$TP_RESULTS" \
+      --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
+  tp-hf)
+    # two GPUs: a Hugging Face model under tp_plan="auto" (ARGS go to both runs): fp32 first (tokens against
+    # one process), then bf16 (ms per token, with the fp32 run's agreement)
+    tp_run() { timeout "${SUITE_TIMEOUT:-270}" torchrun --standalone --nproc-per-node 2 \
+      benchmarks/hf_tensor_parallel.py "$@" 2>&1 | tee -a "$OUT/tp_hf.log" | grep '^{'; }
+    tp_run --out "$OUT/tp_fp32.json" --dtype float32 --variants eager piecewise-static "$@"
+    tp_run --out "$OUT/tp_bf16.json" --dtype bfloat16 --agreement-from "$OUT/tp_fp32.json" "$@"
+    python benchmarks/record_tensor_parallel.py --hf "$OUT/tp_bf16.json" --previous "$TP_RESULTS" \
+      --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
 esac

@@ -157,6 +157,31 @@ def test_weights_that_move_on_one_rank_switch_sets_on_both(tmp_path):
     assert "max_weight_sets=1" in second["miss_details"][Miss.WEIGHTS_MOVED], second
 
 
+def test_a_hugging_face_model_under_its_own_tp_plan_gives_the_whole_models_tokens(tmp_path):
+    """transformers' ``tp_plan="auto"`` (its row-parallel linears all-reduce through
+    ``torch.distributed``, which Dynamo traces into collectives), two gloo ranks, emulated graphs:
+    the backend finds the collectives (the ranks agree), captures and replays, and greedy decoding
+    gives the tokens of the whole model in one process. The same script times it on two GPUs."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it for tp_plan
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "tp.json"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+               os.path.join(root, "benchmarks", "hf_tensor_parallel.py"), "--out", str(out), "--model", "tiny",
+               "--dtype", "float32", "--batches", "3", "--tokens", "6", "--variants", "eager", "piecewise-static",
+               "--emulate"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-4000:]
+    rows = {row["variant"]: row for row in json.loads(out.read_text())["hf"]}
+    assert set(rows) == {"eager", "piecewise-static"}, rows
+    for row in rows.values():
+        assert row["token_agreement"] == 1.0, row
+    graphed = rows["piecewise-static"]
+    assert graphed["graphs_with_collectives"] > 0 and graphed["replays"] > 0 and graphed["captures"] > 0, graphed
+    assert graphed["ungraphed_runs"] == 0, graphed
+
+
 @pytest.mark.cuda
 def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
     """What users launch: torchrun, one process per GPU, NCCL. The all-reduces are inside the

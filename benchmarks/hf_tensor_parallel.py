@@ -1,0 +1,170 @@
+"""A Hugging Face model under its own tensor-parallel plan (``tp_plan="auto"``), compiled with the backend.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/hf_tensor_parallel.py --out tp.json \\
+        [--model llama-28L-1.5b] [--batches 1 4] [--tokens 32] [--dtype bfloat16] \\
+        [--variants eager compile-default piecewise-static piecewise-dynamic]
+    torchrun --standalone --nproc-per-node 2 benchmarks/hf_tensor_parallel.py --out /tmp/tp.json \\
+        --model tiny --dtype float32 --variants eager piecewise-static --emulate   # CPU, gloo (a test runs it)
+
+Rank 0 saves a model with random weights (``hf_generate.py``'s model keys) to a folder every rank
+reads; each rank loads it with ``from_pretrained(folder, tp_plan="auto")``, transformers' own plan
+(its row-parallel linears all-reduce through ``torch.distributed``, which Dynamo traces into the
+graph's collectives). Per variant (``hf_generate.prepare``) and batch: ``generate()`` greedy, ms
+between decode steps (``hf_generate.measure``), and the tokens against one process running the
+whole model eagerly (rank 0, no ``tp_plan``): ``token_agreement`` (in fp32 it must be 1.0; in bf16
+a near-tied logit of random weights may flip, so ``--agreement-from`` takes an fp32 run's). Rank 0
+writes the rows ``{model, params, batch, variant, dtype, token_agreement, ms_per_token,
+speedup_vs_eager, ...}``; ``record_tensor_parallel.py`` stamps them (``run_device.sh tp-hf``).
+Every rank calls ``piecewise_backend.release_graphs()`` before ``destroy_process_group()`` (the
+README says why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import transformers
+
+import piecewise_backend
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import hf_generate  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from toys.parallel import MULTICAST_OFF  # noqa: E402
+
+
+def _shared_folder(device: str) -> str:
+    """A folder name every rank agrees on (rank 0's, broadcast)."""
+    name = [tempfile.mkdtemp(prefix="hf_tp_") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _save_random_model(key: str, folder: str) -> int:
+    """Rank 0 writes ``key``'s model (random weights, fixed seed) to ``folder``; its parameter count."""
+    params = [0]
+    if dist.get_rank() == 0:
+        model = hf_generate.build_model(key, "cpu", torch.float32)
+        params[0] = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(folder)
+        model.generation_config.save_pretrained(folder)
+    dist.broadcast_object_list(params, src=0)
+    return params[0]
+
+
+def _load(folder: str, dtype: torch.dtype, device: str, tp: bool):
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **({"tp_plan": "auto"} if tp else {}))
+    model = (model if tp else model.to(device)).eval()
+    model.generation_config.eos_token_id = None  # exactly --tokens tokens
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _reference_tokens(folder: str, dtype: torch.dtype, device: str, prompts: dict, tokens: int) -> dict:
+    """Rank 0: the whole model, one process, eager: the tokens each batch's prompt gives."""
+    if dist.get_rank() != 0:
+        return {}
+    model = _load(folder, dtype, device, tp=False)
+    out = {batch: hf_generate.run(model, ids, tokens, {})[0].cpu() for batch, ids in prompts.items()}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="llama-28L-1.5b")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--variants", nargs="+", default=["eager", "compile-default", "piecewise-static",
+                                                          "piecewise-dynamic"])
+    parser.add_argument("--agreement-from", help="an fp32 run's JSON: its token_agreement per variant and batch "
+                                                 "becomes these rows' (theirs kept as token_agreement_<dtype>)")
+    parser.add_argument("--emulate", action="store_true",
+                        help="on CPU: capture and replay emulated graphs (piecewise_backend.emulated_graphs)")
+    args = parser.parse_args()
+    for name, value in MULTICAST_OFF.items():
+        os.environ.setdefault(name, value)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, args.dtype)
+    try:
+        folder = _shared_folder(device)
+        params = _save_random_model(args.model, folder)
+        dist.barrier()
+        cfg, _, name, layers = hf_generate.model_config(args.model)
+        torch.manual_seed(1)  # the same prompts on every rank
+        prompts = {b: torch.randint(3, cfg.vocab_size, (b, hf_generate.PROMPT)).to(device) for b in args.batches}
+        reference = _reference_tokens(folder, dtype, device, prompts, args.tokens)
+        dist.barrier()
+        model = _load(folder, dtype, device, tp=True)
+        eager_forward = model.forward
+        rows, eager_ms = [], {}
+        base = {"model": name, "layers": layers, "params": params, "world": world, "dtype": args.dtype,
+                "tokens": args.tokens, "device": device}
+        with piecewise_backend.emulated_graphs(args.emulate and device == "cpu"):  # compiled and first called in it
+            for variant in args.variants:
+                kwargs = hf_generate.prepare(variant, model, eager_forward)
+                for batch, ids in prompts.items():
+                    rows.append(_row({**base, "batch": batch, "variant": variant}, model, ids, kwargs,
+                                     reference.get(batch), eager_ms))
+                    if rank == 0 and args.agreement_from:
+                        _agreement_from(rows[-1], args.agreement_from)
+                    if rank == 0:
+                        print(json.dumps(rows[-1]), flush=True)
+                        pathlib.Path(args.out).write_text(json.dumps(
+                            {"hf": rows, "torch": torch.__version__, "transformers": transformers.__version__},
+                            indent=1) + "\n")
+    finally:
+        piecewise_backend.release_graphs()  # NCCL waits for graphs holding its collectives
+        dist.destroy_process_group()
+
+
+def _agreement_from(row: dict, path: str) -> None:
+    """The fp32 run's tokens decide ``token_agreement`` (bf16's near-ties of random weights flip)."""
+    checked = {(r["variant"], r["batch"]): r for r in json.loads(pathlib.Path(path).read_text())["hf"]}
+    fp32 = checked.get((row["variant"], row["batch"]), {})
+    if "token_agreement" in row:
+        row[f"token_agreement_{row['dtype']}"] = row.pop("token_agreement")
+    row["token_agreement"] = fp32.get("token_agreement")
+    row["token_agreement_dtype"] = fp32.get("dtype")
+
+
+def _row(row: dict, model, ids, kwargs: dict, reference: torch.Tensor | None, eager_ms: dict) -> dict:
+    """One variant at one batch: ms per token, its speed-up over eager TP, and (rank 0) its tokens
+    against the whole model's; a row that raises says why (the other rows still run)."""
+    start, calls_before = time.perf_counter(), hf_generate.graph_calls()
+    try:
+        out, ms = hf_generate.measure(model, ids, row["tokens"], kwargs)
+    except Exception as exc:
+        return {**row, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    row.update(seconds=round(time.perf_counter() - start, 1), ms_per_token=round(ms, 3))
+    if row["variant"] == "eager":
+        eager_ms[row["batch"]] = ms
+    if row["batch"] in eager_ms:
+        row["speedup_vs_eager"] = round(eager_ms[row["batch"]] / ms, 2)
+    if reference is not None:
+        row["token_agreement"] = round(float((out.cpu() == reference).float().mean()), 4)
+    if "piecewise" in row["variant"]:
+        row.update(hf_generate.piecewise_facts(calls_before))
+        row["graphs_with_collectives"] = sum(g.agreement is not None for g in piecewise_backend.compiled_graphs())
+    return row
+
+
+if __name__ == "__main__":
+    main()
