@@ -46,7 +46,8 @@ def _fail_capture_at(key: tuple, nth: int) -> None:
     PieceRunner._record = failing_record
 
 
-def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None) -> None:
+def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None,
+          sizes=None) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         from piecewise_backend import emulated_graphs
@@ -56,7 +57,8 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
             _fail_capture_at(*fail_at[1:])
         with emulated_graphs(emulate):
             moved = move_at[1] if move_at is not None and move_at[0] == rank else None
-            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank], move_weight_before=moved)
+            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank], move_weight_before=moved,
+                                  **({"sizes": sizes} if sizes else {}))
         import piecewise_backend
 
         result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
@@ -72,13 +74,13 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
 
 
 def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600,
-                   move_at=None) -> list[dict]:
+                   move_at=None, sizes=None) -> list[dict]:
     """Both ranks' results; fails (instead of hanging) if the ranks do not finish in ``timeout_s``,
     which is what unpaired collectives do."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at, move_at), nprocs=WORLD,
-                       join=False)
+    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at, move_at, sizes),
+                       nprocs=WORLD, join=False)
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=5):
@@ -126,17 +128,24 @@ def test_a_graph_without_collectives_decides_alone():
     assert collective_groups(graph) == []  # the plan names no groups: no RankAgreement at run time
 
 
-def test_a_capture_that_fails_on_one_rank_is_given_up_on_both(tmp_path):
-    # On rank 1, the capture at size 4 of the second compute piece (layer 0's o_proj and MLP, with
-    # both all-reduces) fails. Alone, rank 1 would run that piece un-graphed on its 3 real rows
-    # while rank 0 replays the padded graph: their all-reduces would differ in size (gloo aborts,
-    # NCCL hangs). Agreed, both give that piece's size-4 graph up.
-    options = [{"capture_sizes": [2, 4, 8]}] * WORLD
-    first, second = _run_two_ranks(tmp_path, options, emulate=True, fail_at=(1, (4,), 2), timeout_s=300)
+def test_a_capture_that_fails_on_one_rank_is_given_up_on_both_and_retried_on_both(tmp_path):
+    # On rank 1, the decode step's capture at size 4 fails (the 4th piece capture at that key: the
+    # first graphs, Dynamo's for positions 0 and 1, captured 3). Alone, rank 1 would run the step
+    # un-graphed on its 3 real rows while rank 0 replays the padded graph: their all-reduces would
+    # differ in size (gloo aborts, NCCL hangs). Agreed, both give the size-4 graph up; 8 calls at
+    # size 4 later (capture_retries.WAITS), both capture it again, at the same call (not deferred:
+    # defer_captures would let size 3 ride the graph of 8 for 64 calls first).
+    options = [{"capture_sizes": [2, 4, 8], "defer_captures": False}] * WORLD
+    sizes = (3, 3, 2, 5, 8, 7, 4) + (3,) * 8
+    first, second = _run_two_ranks(tmp_path, options, emulate=True, fail_at=(1, (4,), 4), timeout_s=300,
+                                   sizes=sizes)
     for result in (first, second):
         assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
     assert any("injected capture failure" in f for f in second["failures"]), second["failures"]
     assert any("failed on another rank" in f for f in first["failures"]), first["failures"]
+    at_4 = [event for event in first["capture_events"] if event[0] == [4]]  # [key, call, pieces captured]
+    assert len(at_4) == 2 and at_4[0][2] == 0 and at_4[1][2] == 1, first["capture_events"]
+    assert first["capture_events"] == second["capture_events"], (first["capture_events"], second["capture_events"])
 
 
 def test_weights_that_move_on_one_rank_switch_sets_on_both(tmp_path):

@@ -129,7 +129,8 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
     return {"rank": rank, "max_abs_diff": worst, "captured": sorted(main.captured),
             "misses": dict(main.stats.misses), "miss_details": dict(main.stats.miss_details),
             "replays": main.stats.replays, "captures": sum(p.captures for p in main.stats.pieces.values()),
-            "weight_sets": main.stats.weight_sets, "agreement": main.policy.agreement is not None}
+            "weight_sets": main.stats.weight_sets, "agreement": main.policy.agreement is not None,
+            "capture_events": [[list(e.key), e.call, e.pieces] for e in main.stats.events]}
 
 
 # NVLink multicast stays off: on shared multi-GPU hosts a program using it can take the host's GPUs
