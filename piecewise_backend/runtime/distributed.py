@@ -54,16 +54,14 @@ def host_group(group):
 
 class RankAgreement:
     """``all_allow(ok)``: True only if every rank of every group passes True (one CPU all-reduce
-    per group, see :func:`host_group`); ``questions`` counts the calls, for tests and reports."""
+    per group, see :func:`host_group`)."""
 
     def __init__(self, group_names: list[str]):
         self.group_names = group_names
-        self.questions = 0
 
     def all_allow(self, ok: bool) -> bool:
         import torch.distributed as dist
 
-        self.questions += 1
         for name in self.group_names:
             flag = torch.tensor([int(ok)])
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group(_torch_internals.resolve_process_group(name)))
