@@ -18,13 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 import torch.fx
 
 from ..kinds import CaptureHow, Miss
 from .symbolic import materialize, symbol_values
+
+if TYPE_CHECKING:
+    from ..plan.types import GraphPlan
 
 
 def _progress(items: list, desc: str):
@@ -156,9 +159,8 @@ class UpFrontCapture:
         values = {**self._values, **dict(zip(plan.key.symbols, key))}
         scalars = graph.step_scalars.writes_disabled() if graph.step_scalars is not None else contextlib.nullcontext()
         with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
-            graph.capturing_step(key, CaptureHow.UP_FRONT, values, lambda: run_compute_pieces(
-                plan.split.graph_module, graph.runners, plan.fake_outputs, plan.inputs.fake_inputs, self._template,
-                plan.inputs.static_inputs | plan.inputs.python_scalars, values, plan.device))
+            graph.capturing_step(key, CaptureHow.UP_FRONT, values,
+                                 lambda: run_compute_pieces(plan, graph.runners, self._template, values))
 
 
 class _ComputeOnlyRun(torch.fx.Interpreter):
@@ -177,12 +179,11 @@ class _ComputeOnlyRun(torch.fx.Interpreter):
         return materialize(self.fake_outputs[target], self.values, self.device)
 
 
-def run_compute_pieces(split_gm, runners: dict, fake_outputs: dict, fake_inputs: list, template: list,
-                       static_inputs: frozenset, values: dict, device: torch.device) -> None:
-    """Run every compute piece once on stand-ins at the symbol ``values`` (the runners capture);
-    ``static_inputs``: the inputs taken from the template as they are (weights, Python floats)."""
-    inputs = [template[i] if i in static_inputs or not isinstance(fake, torch.Tensor)
-              and not isinstance(fake, torch.SymInt) else materialize(fake, values, device)
-              for i, fake in enumerate(fake_inputs)]
+def run_compute_pieces(plan: GraphPlan, runners: dict, template: list, values: dict) -> None:
+    """Run every compute piece of ``plan`` once on stand-ins at the symbol ``values`` (the runners
+    capture); weights and Python scalars are taken from ``template`` as they are."""
+    taken = plan.inputs.static_inputs | plan.inputs.python_scalars
+    inputs = [template[i] if i in taken or not isinstance(fake, torch.Tensor) and not isinstance(fake, torch.SymInt)
+              else materialize(fake, values, plan.device) for i, fake in enumerate(plan.inputs.fake_inputs)]
     with torch.no_grad():
-        _ComputeOnlyRun(split_gm, runners, fake_outputs, values, device).run(*inputs)
+        _ComputeOnlyRun(plan.split.graph_module, runners, plan.fake_outputs, values, plan.device).run(*inputs)
