@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import pathlib
+import shutil
 import sys
 import tempfile
 import time
@@ -113,6 +114,9 @@ def main() -> None:
         reference = _reference_tokens(folder, dtype, device, prompts, args.tokens)
         dist.barrier()
         model = _load(folder, dtype, device, tp=True)
+        dist.barrier()  # every rank has read the checkpoint (GBs at 1.5e9 parameters): rank 0 removes it
+        if rank == 0:
+            shutil.rmtree(folder, ignore_errors=True)
         eager_forward = model.forward
         rows, eager_ms = [], {}
         base = {"model": name, "layers": layers, "params": params, "world": world, "dtype": args.dtype,

@@ -147,12 +147,15 @@ case "$part" in
     python benchmarks/record_tensor_parallel.py --junit "$OUT/tp_pytest.xml" --previous "$TP_RESULTS" \
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   tp-hf)
-    # two GPUs: a Hugging Face model under tp_plan="auto" (ARGS go to both runs): fp32 first (tokens against
-    # one process), then bf16 (ms per token, with the fp32 run's agreement)
+    # two GPUs: a Hugging Face model under tp_plan="auto" (ARGS, e.g. --model/--batches, go to both runs):
+    # fp32 first (eager and piecewise-static: tokens against one process), then bf16 (TP_VARIANTS: ms per
+    # token, with the fp32 run's agreement); each run under SUITE_TIMEOUT, its rows written as they come
     tp_run() { timeout "${SUITE_TIMEOUT:-270}" torchrun --standalone --nproc-per-node 2 \
       benchmarks/hf_tensor_parallel.py "$@" 2>&1 | tee -a "$OUT/tp_hf.log" | grep '^{'; }
     tp_run --out "$OUT/tp_fp32.json" --dtype float32 --variants eager piecewise-static "$@"
-    tp_run --out "$OUT/tp_bf16.json" --dtype bfloat16 --agreement-from "$OUT/tp_fp32.json" "$@"
+    # shellcheck disable=SC2086  # TP_VARIANTS: several words
+    tp_run --out "$OUT/tp_bf16.json" --dtype bfloat16 --agreement-from "$OUT/tp_fp32.json" "$@" \
+      --variants ${TP_VARIANTS:-eager piecewise-static piecewise-dynamic compile-default}
     python benchmarks/record_tensor_parallel.py --hf "$OUT/tp_bf16.json" --previous "$TP_RESULTS" \
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   ab)
