@@ -119,6 +119,7 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
         eager_forward = model.forward
         rows, eager_ms = [], {}
+        checked = _fp32_rows(args.agreement_from) if rank == 0 and args.agreement_from else None
         base = {"model": name, "layers": layers, "params": params, "world": world, "dtype": args.dtype,
                 "tokens": args.tokens, "device": device}
         with piecewise_backend.emulated_graphs(args.emulate and device == "cpu"):  # compiled and first called in it
@@ -127,8 +128,8 @@ def main() -> None:
                 for batch, ids in prompts.items():
                     rows.append(_row({**base, "batch": batch, "variant": variant}, model, ids, kwargs,
                                      reference.get(batch), eager_ms))
-                    if rank == 0 and args.agreement_from:
-                        _agreement_from(rows[-1], args.agreement_from)
+                    if checked is not None:
+                        _agreement_from(rows[-1], checked)
                     if rank == 0:
                         print(json.dumps(rows[-1]), flush=True)
                         pathlib.Path(args.out).write_text(json.dumps(
@@ -139,9 +140,13 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def _agreement_from(row: dict, path: str) -> None:
+def _fp32_rows(path: str) -> dict:
+    """An fp32 run's rows by (variant, batch)."""
+    return {(r["variant"], r["batch"]): r for r in json.loads(pathlib.Path(path).read_text())["hf"]}
+
+
+def _agreement_from(row: dict, checked: dict) -> None:
     """The fp32 run's tokens decide ``token_agreement`` (bf16's near-ties of random weights flip)."""
-    checked = {(r["variant"], r["batch"]): r for r in json.loads(pathlib.Path(path).read_text())["hf"]}
     fp32 = checked.get((row["variant"], row["batch"]), {})
     if "token_agreement" in row:
         row[f"token_agreement_{row['dtype']}"] = row.pop("token_agreement")

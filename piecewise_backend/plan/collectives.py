@@ -1,8 +1,9 @@
 """The process groups a graph's collectives run on: the compile-time half of rank agreement.
 
 Read from the graph, the ``group_name`` argument of each ``_c10d_functional`` op (what
-``torch.distributed._functional_collectives`` traces to). The plan hands the names to run time,
-whose ``runtime/distributed.py`` makes capture decisions agreed across those groups.
+``torch.distributed._functional_collectives`` traces to, and what Dynamo makes of
+``dist.all_reduce``). The plan hands the names to run time, whose ``runtime/distributed.py`` makes
+capture and weight-set decisions agreed across those groups.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ class GraphPlan:
     sdpa_choice: SdpaChoice | None  # the SDPA kernels eager attention may use (None: torch's choice)
     report: PlanReport  # what it tells people; nothing that runs a call reads it
 
-    @property
+    @functools.cached_property
     def device(self) -> torch.device:
         return graph_device(self.inputs.fake_inputs, self.inputs.python_scalars)
 

@@ -54,17 +54,25 @@ def host_group(group):
 
 class RankAgreement:
     """``all_allow(ok)``: True only if every rank of every group passes True (one CPU all-reduce
-    per group, see :func:`host_group`)."""
+    per group, see :func:`host_group`).
+
+    Asked on every call of its graph: the groups are resolved once, at the first question (every
+    rank asks it at the same call), and each keeps one flag tensor (calls of a graph never overlap:
+    they hold the device's call guard)."""
 
     def __init__(self, group_names: list[str]):
         self.group_names = group_names
+        self._flags: list | None = None  # (host group, flag tensor) per group, from the first question
 
     def all_allow(self, ok: bool) -> bool:
         import torch.distributed as dist
 
-        for name in self.group_names:
-            flag = torch.tensor([int(ok)])
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=host_group(_torch_internals.resolve_process_group(name)))
+        if self._flags is None:
+            self._flags = [(host_group(_torch_internals.resolve_process_group(name)), torch.zeros(1, dtype=torch.int64))
+                           for name in self.group_names]
+        for group, flag in self._flags:
+            flag[0] = int(ok)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
             ok = bool(flag.item())
         return ok
 
