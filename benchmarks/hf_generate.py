@@ -161,6 +161,11 @@ def measure(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]
     return out, min(times)
 
 
+def token_agreement(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """The share of generated tokens equal to the reference run's (same prompts, greedy)."""
+    return round((out.cpu() == reference.cpu()).float().mean().item(), 4)
+
+
 def graph_calls() -> dict:
     """Calls served so far per compiled graph (its serial): what a row's run adds tells which graph served it."""
     import piecewise_backend
@@ -237,8 +242,8 @@ def _measure_row(row: dict, model, ids, kwargs: dict, failure: str | None, refer
         times = row.setdefault("ms_rounds", [])
         times.append(round(ms, 3))
         row["ms_per_token"] = round(statistics.median(times), 3)
-        agreement = round((out == reference[batch]).float().mean().item(), 4)
-        row["token_agreement"] = min(agreement, row.get("token_agreement", 1.0))  # the worst round's
+        # the worst round's
+        row["token_agreement"] = min(token_agreement(out, reference[batch]), row.get("token_agreement", 1.0))
         row["speedup_vs_eager"] = round(by_key["eager", batch]["ms_per_token"] / row["ms_per_token"], 2)
         if "piecewise" in variant:
             row.update(piecewise_facts(calls_before))

@@ -168,7 +168,7 @@ def _row(row: dict, model, ids, kwargs: dict, reference: torch.Tensor | None, ea
     if row["batch"] in eager_ms:
         row["speedup_vs_eager"] = round(eager_ms[row["batch"]] / ms, 2)
     if reference is not None:
-        row["token_agreement"] = round(float((out.cpu() == reference).float().mean()), 4)
+        row["token_agreement"] = hf_generate.token_agreement(out, reference)
     if "piecewise" in row["variant"]:
         row.update(hf_generate.piecewise_facts(calls_before))
         row["graphs_with_collectives"] = sum(g.agreement is not None for g in piecewise_backend.compiled_graphs())

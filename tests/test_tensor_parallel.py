@@ -9,6 +9,7 @@ check runs on GPUs with ``torchrun --nproc-per-node 2 -m toys.parallel`` (from t
 
 import json
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository: toys/ and benchmarks/
 
 
 def _free_port() -> int:
@@ -173,13 +175,12 @@ def test_a_hugging_face_model_under_its_own_tp_plan_gives_the_whole_models_token
     gives the tokens of the whole model in one process. The same script times it on two GPUs."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it for tp_plan
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = tmp_path / "tp.json"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               os.path.join(root, "benchmarks", "hf_tensor_parallel.py"), "--out", str(out), "--model", "tiny",
+               str(ROOT / "benchmarks" / "hf_tensor_parallel.py"), "--out", str(out), "--model", "tiny",
                "--dtype", "float32", "--batches", "3", "--tokens", "6", "--variants", "eager", "piecewise-static",
                "--emulate"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=root,
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {row["variant"]: row for row in json.loads(out.read_text())["hf"]}
@@ -206,7 +207,7 @@ def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
     # killed whole: torchrun's workers would otherwise keep the GPUs
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            start_new_session=True, env={**os.environ, **MULTICAST_OFF},
-                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # toys/ importable
+                           cwd=ROOT)  # toys/ importable
     try:
         stdout, stderr = run.communicate(timeout=300)
     except subprocess.TimeoutExpired:
