@@ -1,7 +1,7 @@
 """Where the backend's own build time goes on a Hugging Face model's first ``generate()``: a cProfile
 of :func:`piecewise_backend.backend.build` only (Dynamo's tracing left out).
 
-    python benchmarks/profile_build.py [--model qwen3-8L-1.5b] [--cache static] [--device cuda] [--top 40]
+    python benchmarks/profile_build.py [--model qwen3-8L-1.5b] [--cache static] [--device cuda] [--top 40] [--save F]
 
 Prints the build time, its Inductor share and the backend's functions by cumulative time.
 """
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--cache", default="static", choices=("static", "dynamic"))
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--top", type=int, default=40)
+    p.add_argument("--save", help="also write the cProfile stats to this file (pstats format)")
     args = p.parse_args()
     import piecewise_backend
     from piecewise_backend import backend
@@ -58,6 +59,8 @@ def main() -> None:
     print(f"generate {time.perf_counter() - start:.2f} s; build {sum(g.stats.build_seconds for g in graphs):.2f} s, "
           f"Inductor {sum(g.stats.inductor_seconds for g in graphs):.2f} s, "
           f"{sum(g.stats.inductor_compiles for g in graphs)} compiles, {len(graphs)} graphs", flush=True)
+    if args.save:
+        profile.dump_stats(args.save)
     stats = pstats.Stats(profile).sort_stats("cumulative")
     stats.print_stats(r"piecewise_backend", args.top)
     stats.sort_stats("tottime").print_stats(args.top // 2)

@@ -67,13 +67,13 @@ def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[s
 
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
     started = time.perf_counter()
-    inputs = _rewrite(gm, example_inputs, config)
-    split = _split(inputs, config)
-    compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config))
-    compiled, fake_outputs, node_values = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs,
-                                                         compiler)
-    plan = make_plan(config, inputs, split, compiled, fake_outputs, node_values, compiler)
-    del node_values  # fake values of every intermediate: the plan keeps none
+    with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
+        inputs = _rewrite(gm, example_inputs, config)
+        split = _split(inputs, config)
+        compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config))
+        run = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs, compiler)
+        plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
+        del run  # fake values of every intermediate: the plan keeps none
     graph = register(CompiledGraph(plan, config))
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)

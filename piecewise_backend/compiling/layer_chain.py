@@ -143,4 +143,5 @@ def install(chain: torch.fx.GraphModule, compiled: dict, readers: list[SymbolRea
     fed the lifted symbols where there are any."""
     for name, fn in compiled.items():
         setattr(chain, name, _Compiled(fn))
+    _torch_internals.generate_code(chain)  # its attention sub-pieces ran on fakes: theirs exists
     return _Chain(chain, readers) if readers else chain

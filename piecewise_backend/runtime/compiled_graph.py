@@ -238,9 +238,10 @@ class CompiledGraph:
         beside the one whose did."""
         moved = self._first_moved(addresses)
         weight_set = self.weights.find(addresses)
-        detail = None if weight_set is not None else \
-            (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
-             f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
+        detail = None
+        if weight_set is None:
+            detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
+                      f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
         if self.agreement is not None:
             detail = agreed_refusal(self.agreement, detail, messages.WEIGHTS_BOUND_ELSEWHERE)
         if detail is not None:

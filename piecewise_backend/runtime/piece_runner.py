@@ -206,7 +206,7 @@ class PieceRunner:
         reason = (f"the compiled code raised {type(exc).__name__}: {exc}; its traced code did not, so it runs "
                   f"that (eagerly, or captured as it is) from now on. Please report it with the piece's code "
                   f"(piecewise_backend.inspect_split)")
-        self.fn = self.eager_fn
+        self.fn = self.eager_fn = _torch_internals.generated_forward(self.eager_fn)  # a lazy graph module's
         self.stats.failures.append(reason)
         warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=4)
 
