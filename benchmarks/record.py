@@ -112,6 +112,7 @@ def main() -> None:
     parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
     parser.add_argument("--entry", help="dynamo_entry.py's JSON")
     parser.add_argument("--hf-startup", help="hf_startup.py's JSON")
+    parser.add_argument("--seed-workload", help="seed_workload.py's JSON (seed_workload and concurrency rows)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -173,6 +174,13 @@ def main() -> None:
         result["hf_startup"] = merge_rows([{**unset, **r} for r in result.get("hf_startup", [])],
                                           [{**unset, **r} for r in rows],
                                           ("model", "layers", "cache", "specialize_float"), digest)
+    if args.seed_workload:
+        seed = json.loads(pathlib.Path(args.seed_workload).read_text())
+        result["seed_workload"] = merge_rows(result.get("seed_workload", []), seed.get("seed_workload", []),
+                                             ("variant",), digest)
+        result["concurrency"] = merge_rows(result.get("concurrency", []), seed.get("concurrency", []),
+                                           ("variant", "in_flight"), digest)
+        result["seed_vllm"] = seed["seed_vllm"]
     if args.entry:
         result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:

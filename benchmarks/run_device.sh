@@ -24,6 +24,9 @@
 #   bash benchmarks/run_device.sh threads [ARGS...] # threads.py ARGS: captures beside other threads, concurrent callers
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh serving [ARGS...] # serving.py ARGS: the serving engine, per variant and start
+#   bash benchmarks/run_device.sh seed-workload [ARGS...]  # seed_workload.py ARGS: the seed's workload and the
+#                                                   #   concurrency sweep, per variant (breakable-cuda-graphs
+#                                                   #   needs its wheel carried in .whl/: installed here)
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
 #   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
 #   bash benchmarks/run_device.sh tp-tests          # two GPUs: tests/test_tensor_parallel.py (torchrun + NCCL too)
@@ -126,6 +129,12 @@ case "$part" in
       | tee "$OUT/serving.log" | grep '^{'
     record --serving "$OUT/serving.json"
     python benchmarks/serving.py --out "$OUT/serving.json" --figure "$OUT/serving_itl.png" ;;
+  seed-workload)
+    ls .whl/breakable_cuda_graphs-*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps .whl/breakable_cuda_graphs-*.whl
+    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/seed_workload.py --out "$OUT/seed_workload.json" "$@" 2>&1 \
+      | tee "$OUT/seed_workload.log" | grep '^{"variant'
+    record --seed-workload "$OUT/seed_workload.json"
+    python benchmarks/seed_workload.py --out "$RECORDED" --figure "$OUT/seed_tpot.png" ;;
   hf-startup)
     timeout "${SUITE_TIMEOUT:-560}" python benchmarks/hf_startup.py --out "$OUT/hf_startup.json" "$@" 2>&1 \
       | tee "$OUT/hf_startup.log" | grep '^{'
@@ -160,5 +169,5 @@ case "$part" in
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, seed-workload, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
 esac

@@ -7,7 +7,8 @@
 
 The engine is ``toys/engine.py`` (paged KV cache, attention a custom op over a forward context,
 chunked prefill under a token budget, greedy sampling outside the compiled model), on Qwen2.5-1.5B's
-dimensions with random weights in bf16. The trace is seeded: ``--requests`` requests, prompts of
+dimensions with random weights in bf16, every step piecewise (``graph_mode="piecewise"``: what this
+benchmark has always timed; the engine's full decode graphs are ``seed_workload.py``'s). The trace is seeded: ``--requests`` requests, prompts of
 32-1024 tokens and outputs of 16-256, Poisson arrivals at ``--rate`` requests/s (0: all at once).
 
 Variants (one child process each, with its own timeout, per start):
@@ -98,7 +99,7 @@ def engine_for(model, forward, device: str, dtype, args) -> toy.Engine:
     longest = TRACE["prompt"][1] + TRACE["output"][1] if args.config != "tiny" else 64
     blocks = args.max_num_seqs * -(-longest // model.cfg.block_size) + 8
     return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
-                      num_blocks=blocks, device=device, dtype=dtype)
+                      num_blocks=blocks, device=device, dtype=dtype, graph_mode="piecewise")
 
 
 def trace(args, n: int, seed: int = 0, short: bool = False):

@@ -4,12 +4,14 @@ Inductor, and captures each compiled piece lazily as one CUDA graph per shape.
     torch.compile(model, backend="piecewise", options={...})
 
 The name is found through the ``torch_dynamo_backends`` entry point once the package is installed;
-``backend=piecewise_backend.piecewise`` works too.
+``backend=piecewise_backend.piecewise`` works too. ``with cudagraph_mode("full"):`` around a call
+captures it whole (a serving engine's decode step); ``piecewise_backend.ops`` holds the paged decode
+attention that makes such a step graph-safe.
 """
 
 from .backend import piecewise
 from .config import PiecewiseConfig
-from .kinds import CaptureHow, Miss, PieceKind
+from .kinds import CaptureHow, GraphMode, Miss, PieceKind
 from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .observe.reports import capture_table, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
@@ -17,6 +19,7 @@ from .plan.emulation import emulated_graphs
 from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
+from .runtime.graph_mode import cudagraph_mode
 from .runtime.memory_estimate import GraphMemoryEstimate
 from .runtime.stats import CaptureEvent, GraphStats, PieceStats
 
@@ -48,4 +51,6 @@ __all__ = [
     "Miss",
     "CaptureHow",
     "emulated_graphs",
+    "cudagraph_mode",
+    "GraphMode",
 ]

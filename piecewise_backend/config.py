@@ -42,6 +42,12 @@ class PiecewiseConfig:
         splitting_ops: dispatcher names of the ops to split at (run eagerly between graph replays).
             Replaces the defaults, which cover SDPA in all its torch forms.
         extra_splitting_ops: names added to ``splitting_ops`` (the usual way to add a custom op).
+        row_independent_ops: ops the padding proof cannot see into (a custom attention op) that
+            the user declares row-wise: each output row reads the same rows of the inputs, and the
+            op's padded rows (a batch of 5 replaying the graph of 8) neither write nor read what
+            real rows use (a paged attention given slot -1 and length 0 for them). Only full graphs
+            (``cudagraph_mode("full")``) run splitting ops inside a graph, at the padded size; without
+            the declaration their sizes are captured exactly, and the stats name the op.
         mode: ``"piecewise"`` splits at ``splitting_ops``; ``"full"`` declares attention graph-safe
             and captures the whole graph as one CUDA graph per size (nodes that need a per-step
             Python scalar or write a caller's tensor still run eagerly, and the stats say so).
@@ -105,6 +111,7 @@ class PiecewiseConfig:
 
     splitting_ops: tuple[str, ...] = DEFAULT_SPLITTING_OPS
     extra_splitting_ops: tuple[str, ...] = ()
+    row_independent_ops: tuple[str, ...] = ()
     mode: str = "piecewise"
     cudagraphs: bool = True
     clone_outputs: bool = True
@@ -170,7 +177,7 @@ class PiecewiseConfig:
         if options.get("mode", "piecewise") not in SPLIT_MODES:
             raise ValueError(f"piecewise: option 'mode' must be one of {', '.join(map(repr, SPLIT_MODES))}, "
                              f"got {options['mode']!r}.")
-        for key in ("splitting_ops", "extra_splitting_ops"):
+        for key in ("splitting_ops", "extra_splitting_ops", "row_independent_ops"):
             if key in options:
                 value = options[key]
                 if isinstance(value, str) or not isinstance(value, (list, tuple, set, frozenset)):

@@ -39,6 +39,7 @@ class Miss(_Text):
     OVER_BUDGET = "over the capture budget"
     WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
     NEVER_REPLAYED = "a new shape while the shapes captured before were never replayed"
+    MODE_NONE = "cudagraph_mode('none') around the call"
 
 
 class CaptureHow(_Text):
@@ -47,3 +48,11 @@ class CaptureHow(_Text):
     LAZY = "lazy"  # the first call at that size captured it
     UP_FRONT = "up-front"  # before a call needed it: eager_capture_sizes or capture()
     EAGER = "up-front"  # the old name, an alias ("eager" means un-graphed: PieceKind.EAGER)
+
+
+class GraphMode(_Text):
+    """How one call is graphed (``cudagraph_mode``, chosen per call by the caller)."""
+
+    PIECEWISE = "piecewise"  # compute pieces replayed from graphs, splitting ops eager between them
+    FULL = "full"  # the whole call, splitting ops included, one CUDA graph per size (the caller vouches)
+    NONE = "none"  # compiled, un-graphed (a profiling run, a step the caller wants eager)

@@ -61,6 +61,15 @@ def is_cudagraph_unsafe(target: object) -> bool:
     return _torch_internals.is_op_overload(target) and _CUDAGRAPH_UNSAFE in target.tags
 
 
+def is_random_op(target: object) -> bool:
+    """Does the op draw from torch's random generator (``torch.Tag.nondeterministic_seeded``: ``rand``,
+    ``dropout``, ``multinomial``...)?"""
+    seeded = torch.Tag.nondeterministic_seeded
+    if _torch_internals.is_op_packet(target):
+        return any(seeded in getattr(target, o).tags for o in target.overloads())
+    return _torch_internals.is_op_overload(target) and seeded in target.tags
+
+
 def display_name(node: torch.fx.Node) -> str:
     """A short human name for a node's op, for tables and error messages."""
     if node.op == "call_method":

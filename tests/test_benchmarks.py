@@ -600,3 +600,34 @@ def test_profile_build_profiles_the_backends_build_only():
     head = out.splitlines()[0]
     assert head.startswith("generate ") and "Inductor" in head and "compiles" in head, out[:500]
     assert "piecewise_backend/backend.py" in out and "(build)" in out, out[:3000]
+
+
+def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurrency():
+    """``seed_workload.py``'s rows on CPU (graphs emulated): vLLM's serving metrics over a seeded trace,
+    the full graphs and piecewise graphs it used, a sweep row per level, and the figure."""
+    import seed_workload
+
+    import piecewise_backend
+
+    args = argparse.Namespace(config="tiny", device="cpu", requests=4, rate=0.0, in_flight=[1, 3],
+                              max_num_tokens=32, agreement_variants="")
+    with piecewise_backend.emulated_graphs():
+        torch._dynamo.reset()
+        row, sweep = seed_workload.serve(args, "full-and-piecewise")
+    for name in ("ttft", "tpot", "itl"):
+        assert row[f"{name}_median_ms"] > 0 and row[f"{name}_p99_ms"] >= row[f"{name}_median_ms"], row
+    assert row["full_replays"] > 0 and row["piecewise_replays"] > 0 and row["full_fallbacks"] == 0, row
+    assert row["out_tok_s"] > 0 and row["requests"] == 4 and row["inductor_cache"] in ("cold", "warm", "mixed")
+    assert [(r["in_flight"], r["out_tok_s"] > 0) for r in sweep] == [(1, True), (3, True)]
+    done = [toy_request(i, [0, 1], [5, 6, 7], arrival=0.5 * i) for i in range(2)]
+    metrics = seed_workload.latencies(done, start=100.0)
+    assert metrics["ttft_median_ms"] == pytest.approx(1000.0) and metrics["tpot_median_ms"] == pytest.approx(500.0)
+
+
+def toy_request(i, prompt, output, arrival):
+    """A finished request whose tokens came at 101 s + arrival, then every 0.5 s."""
+    from toys.engine import Request
+
+    request = Request(i, prompt, len(output), arrival, list(output))
+    request.token_times = [101.0 + arrival + 0.5 * k for k in range(len(output))]
+    return request

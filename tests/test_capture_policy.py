@@ -71,6 +71,24 @@ def test_plan_pads_captures_and_misses():
     assert policy.route((9,), set(), lambda: 0).miss == Miss.ABOVE_MAX
 
 
+def test_full_graphs_have_their_own_keys_padding_rule_and_fallback_reasons():
+    """A full graph's padding may be refused where the pieces' is not (a splitting op the proof cannot
+    see into): full calls then get exact sizes while piecewise calls pad; a refused graph and a failed
+    key route to no full graph, saying why."""
+    policy = CapturePolicy(PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "defer_captures": False}), 0,
+                           None, full_padding=("mylib::attention is a custom op ...", None))
+    assert policy.route((3,), set(), lambda: 0).key == (4,)
+    full = policy.full_route((3,), {}, {}, lambda: 0, set(), None)
+    assert (full.key, full.capture, full.padded, full.full) == ((3,), True, False, True)
+    assert policy.full_route((3,), {(3,): "graph"}, {}, lambda: 0, set(), None).capture is False
+    failed = policy.full_route((3,), {}, {(3,): "why"}, lambda: 0, set(), None)
+    assert failed.key is None and failed.detail == "its capture failed"
+    refused = policy.full_route((3,), {}, {}, lambda: 0, set(), "it holds an op tagged cudagraph_unsafe")
+    assert refused.key is None and "cudagraph_unsafe" in refused.detail
+    above = policy.full_route((9,), {}, {}, lambda: 0, set(), None)
+    assert above.key is None and "largest capture size" in above.detail
+
+
 def test_pad_position_leaves_other_dynamic_sizes_exact():
     policy = _policy(pad_position=1, capture_sizes=[2, 4, 8])
     assert policy.route((17, 3), set(), lambda: 0).key == (17, 4)

@@ -20,7 +20,8 @@ SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
 
 
 def _serve(model, forward, dtype=torch.float32):
-    engine = toy.Engine(model, forward, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda", dtype=dtype)
+    engine = toy.Engine(model, forward, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda", dtype=dtype,
+                        graph_mode="piecewise")
     return [r.output for r in engine.run(toy.seeded_trace(16, seed=3, vocab=model.cfg.vocab))]
 
 
@@ -116,7 +117,8 @@ def test_graph_memory_estimated_from_three_captures_is_the_pool_of_every_size():
     model = _model(toy.ATTENTION)
     compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": [toy.ATTENTION],
                                                                    "capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]})
-    engine = toy.Engine(model, compiled, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda")
+    engine = toy.Engine(model, compiled, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda",
+                        graph_mode="piecewise")
     engine.warm_up()  # compiles; the dynamic graph remembers the weights
     graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front),
                 key=lambda g: g.stats.calls)

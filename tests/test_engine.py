@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
 def _serve(model, forward, requests=12, seed=1):
-    engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=4, num_blocks=64)
+    engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=4, num_blocks=64, graph_mode="piecewise")
     return [r.output for r in engine.run(seeded_trace(requests, seed=seed, vocab=model.cfg.vocab))], engine
 
 

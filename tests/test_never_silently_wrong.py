@@ -94,8 +94,15 @@ torch.library.register_fake("fuzzlib::row_scale")(lambda x: torch.empty_like(x))
 
 def test_an_op_not_known_to_keep_rows_apart_refuses_padding_and_says_which():
     graph = _run_at_sizes(UnknownOp(), (3, 4))
-    assert "fuzzlib::row_scale" in graph.stats.padding and "not an op known" in graph.stats.padding
-    assert "not an op known" in graph.stats.summary()
+    assert "fuzzlib::row_scale" in graph.stats.padding and "cannot see into" in graph.stats.padding
+    assert "row_independent_ops': ['fuzzlib::row_scale']" in graph.stats.summary()  # and how to declare it
+    assert graph.captured == {(3,), (4,)}
+
+
+def test_a_custom_op_declared_row_independent_is_padded_across():
+    graph = _run_at_sizes(UnknownOp(), (3, 4), {"row_independent_ops": ["fuzzlib::row_scale"]})
+    assert "padded up to the next capture size" in graph.stats.padding
+    assert graph.captured == {(4,)}
 
 
 def test_row_wise_models_are_still_padded():

@@ -13,10 +13,20 @@ The engine (:class:`Engine`) is a continuous-batching loop: a request queue, dec
 then prefill chunks under a token budget, blocks from a free list, greedy sampling of each request's
 last token outside the compiled model.
 
-Attention runs torch's own varlen attention (``torch.nn.attention.varlen.varlen_attn``, flash) on
-CUDA in half precision, over K/V gathered from the pages (torch 2.11's varlen_attn takes neither
-a block table nor grouped heads; later versions take both, a path not used here because the only
-GPU at hand runs 2.11). Elsewhere (CPU, fp32) a per-request SDPA with a bottom-right causal mask.
+Two kinds of step, as vLLM's ``FULL_AND_PIECEWISE`` (the engine's default, ``graph_mode``):
+
+* **a step that holds a prefill chunk** builds its metadata on the host each step (the slots of
+  every cached key). Attention runs torch's own varlen attention
+  (``torch.nn.attention.varlen.varlen_attn``, flash) on CUDA in half precision, over K/V gathered
+  from the pages (torch 2.11's varlen_attn takes neither a block table nor grouped heads); elsewhere
+  (CPU, fp32) a per-request SDPA with a bottom-right causal mask. Such a step must not be captured
+  (its metadata changes every step): the backend runs it piecewise, the op eager between graphs;
+* **a step of decode tokens only** writes its metadata into persistent device buffers (slot
+  mapping, block tables, sequence lengths: :class:`DecodeMetadata`), and attention is the package's
+  paged decode kernel (``piecewise_backend.ops``), which reads them there. Padded rows (a batch of
+  5 replaying the graph of 8) have slot -1 and length 0: they write nowhere and read nothing. Such a
+  step is graph-safe as a whole, so the engine runs it under ``cudagraph_mode("full")``: one CUDA
+  graph per batch size, attention included.
 """
 
 from __future__ import annotations
@@ -34,10 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import piecewise_backend
+from piecewise_backend.ops import paged_cache_write, paged_decode_attention
+
 __all__ = ["EngineConfig", "TINY", "QWEN2_5_1_5B", "EngineModel", "Engine", "Request", "seeded_trace",
-           "ATTENTION", "TAGGED_ATTENTION", "forward_context"]
+           "ATTENTION", "TAGGED_ATTENTION", "forward_context", "DecodeMetadata", "GRAPH_MODES"]
 
 ATTENTION = "engine::attention"  # must be named in extra_splitting_ops
+GRAPH_MODES = ("full_and_piecewise", "piecewise")  # Engine(graph_mode=...): vLLM's names
 TAGGED_ATTENTION = "engine::attention_tagged"  # the same op, tagged cudagraph_unsafe: found by the backend
 
 
@@ -85,6 +99,24 @@ class StepMetadata:
         return self.slot_mapping.shape[0]
 
 
+@dataclasses.dataclass
+class DecodeMetadata:
+    """A decode-only step's metadata, in persistent device buffers at fixed addresses (graph-safe).
+
+    Rows are the step's requests, then padding up to the buffers' capacity: slot -1 and length 0 (a
+    captured graph of a larger batch reads those rows; they write nowhere and read nothing)."""
+
+    kv_caches: list
+    slot_mapping: torch.Tensor  # [capacity] int64: the slot of each row's new token (-1: none)
+    block_tables: torch.Tensor  # [capacity, pages per request] int32
+    seq_lens: torch.Tensor  # [capacity] int64: keys per row after this step's token (0: none)
+    num_tokens: int  # the step's real rows
+
+    @property
+    def capacity(self) -> int:
+        return self.slot_mapping.shape[0]
+
+
 _CONTEXT: contextvars.ContextVar = contextvars.ContextVar("engine_forward_context", default=None)
 
 
@@ -123,10 +155,12 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     Like any op that reads per-step state from outside its arguments, it is wrong inside a CUDA graph
     (a replay would read the capture step's metadata): it says so if it finds itself captured.
     """
+    meta = _CONTEXT.get()
+    if isinstance(meta, DecodeMetadata):
+        return _decode_attention(q, k, v, out, layer, meta)
     if _capturing(q):
         raise RuntimeError(f"{ATTENTION} reads per-step metadata from the engine's forward context and "
                            f"must not be captured in a CUDA graph")
-    meta: StepMetadata = _CONTEXT.get()
     if meta is None or meta.num_tokens != q.shape[0]:
         raise RuntimeError(f"{ATTENTION}: called with {q.shape[0]} tokens outside a forward context for "
                            f"them (Engine.step sets it)")
@@ -150,6 +184,18 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
         out[q_start:q_start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask).transpose(0, 1)
         q_start, k_start = q_start + q_len, k_start + k_len
+
+
+def _decode_attention(q, k, v, out, layer: int, meta: DecodeMetadata) -> None:
+    """The graph-safe path: every row's slot, pages and length read from the persistent buffers, for
+    as many rows as ``q`` has (a padded batch has more than the step)."""
+    rows = q.shape[0]
+    if rows > meta.capacity:
+        raise RuntimeError(f"{ATTENTION}: a decode batch of {rows} rows, but the engine's decode buffers hold "
+                           f"{meta.capacity}: raise max_num_tokens, or capture sizes up to it")
+    k_cache, v_cache = meta.kv_caches[layer]
+    paged_cache_write(k, v, k_cache, v_cache, meta.slot_mapping[:rows])
+    paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:rows], meta.seq_lens[:rows], out=out)
 
 
 _GROUPED_KV = [True]  # whether this torch's varlen kernel took K/V with fewer heads than Q
@@ -268,6 +314,51 @@ class EngineModel(nn.Module):
 
 # -- the engine ------------------------------------------------------------------------------------
 
+class _DecodeBuffers:
+    """The persistent device buffers of decode-only steps (:class:`DecodeMetadata`), and their writing.
+
+    One ``[4, capacity]`` int64 buffer holds the step's token ids, positions, slots and lengths, so a
+    step's metadata is one host-to-device copy; rows past the step are padding (slot -1, length 0),
+    rewritten only as far as the previous step wrote. Block tables change only when the batch's
+    requests do (a request's pages are all given at admission), so they are written only then.
+    """
+
+    def __init__(self, kv_caches: list, capacity: int, pages_per_request: int, device: torch.device):
+        self.kv_caches = kv_caches
+        self.step = torch.zeros(4, capacity, dtype=torch.int64, device=device)
+        self.step[2].fill_(-1)
+        self.tables = torch.zeros(capacity, pages_per_request, dtype=torch.int32, device=device)
+        self._written = 0  # rows of ``step`` the last write reached
+        self._requests: tuple = ()  # the ids of the requests whose pages ``tables`` holds, in row order
+        self._tables_written = 0
+
+    def write(self, ids: list, positions: list, slots: list, size: int, requests: list = ()):
+        """Write a step of ``size`` rows (the first ``len(ids)`` real, the rest padding); return the
+        ids and positions to call the model with (views of the buffer)."""
+        real = len(ids)
+        reach = max(size, self._written)
+        pad = reach - real
+        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
+                             [p + 1 for p in positions] + [0] * pad], dtype=torch.int64)
+        self.step[:, :reach].copy_(host, non_blocking=True)
+        self._written = size
+        if tuple(r.id for r in requests) != self._requests:
+            self._write_tables(list(requests))
+        return self.step[0, :size], self.step[1, :size]
+
+    def _write_tables(self, requests: list) -> None:
+        width = self.tables.shape[1]
+        reach = max(len(requests), self._tables_written)
+        host = torch.zeros(reach, width, dtype=torch.int32)
+        for row, request in enumerate(requests):
+            host[row, :len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
+        self.tables[:reach].copy_(host, non_blocking=True)
+        self._requests, self._tables_written = tuple(r.id for r in requests), len(requests)
+
+    def metadata(self, size: int) -> DecodeMetadata:
+        return DecodeMetadata(self.kv_caches, self.step[2], self.tables, self.step[3], size)
+
+
 @dataclasses.dataclass
 class Request:
     id: int
@@ -304,15 +395,22 @@ class Engine:
         max_num_seqs: requests running at once.
         num_blocks: KV-cache pages (of ``cfg.block_size`` tokens each), per layer.
         mark_dynamic: mark the token count dynamic at every step (``torch._dynamo.mark_dynamic``).
+        graph_mode: ``"full_and_piecewise"`` (vLLM's default): a step of decode tokens only takes the
+            graph-safe path (:class:`DecodeMetadata`) under ``cudagraph_mode("full")``, one graph of
+            the whole step; other steps run piecewise. ``"piecewise"``: every step takes the host
+            metadata path, piecewise.
     """
 
     def __init__(self, model: EngineModel, forward: Callable | None = None, *, max_num_tokens: int = 64,
                  max_num_seqs: int = 8, num_blocks: int = 64, device="cpu", dtype=torch.float32,
-                 mark_dynamic: bool = True):
+                 mark_dynamic: bool = True, graph_mode: str = "full_and_piecewise"):
+        if graph_mode not in GRAPH_MODES:
+            raise ValueError(f"Engine: graph_mode={graph_mode!r}; use one of {GRAPH_MODES}")
         cfg = model.cfg
         self.model, self.forward = model, model if forward is None else forward
         self.cfg, self.device = cfg, torch.device(device)
         self.max_num_tokens, self.max_num_seqs, self.mark_dynamic = max_num_tokens, max_num_seqs, mark_dynamic
+        self.graph_mode = graph_mode
         shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
         self.kv_caches = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
                           for _ in range(cfg.layers)]
@@ -322,6 +420,8 @@ class Engine:
         self.finished: list[Request] = []
         self.steps: list[StepRecord] = []
         self._start = time.perf_counter()
+        self._decode = _DecodeBuffers(self.kv_caches, max_num_tokens, -(-cfg.max_position // cfg.block_size),
+                                      self.device) if graph_mode == "full_and_piecewise" else None
 
     def add(self, request: Request) -> None:
         needed = -(-(len(request.prompt) + request.max_new_tokens) // self.cfg.block_size)
@@ -330,10 +430,12 @@ class Engine:
                              f"{len(self.free_blocks)} free: raise num_blocks")
         self.waiting.append(request)
 
-    def warm_up(self, freeze_gc: bool = False) -> None:
+    def warm_up(self, freeze_gc: bool = False, decode_sizes=()) -> None:
         """What an engine does before it serves (vLLM's dummy runs): one step at the full token budget
         and one decode step of a single token, so that compiling (and any capture up front) happens
-        here, not at the first request. Leaves the engine as it was. ``freeze_gc``: then move every
+        here, not at the first request. Leaves the engine as it was. ``decode_sizes``: then a dummy
+        decode step of each of these sizes (every row padding: it writes and reads nothing), which
+        captures the full graph of each size up front. ``freeze_gc``: then move every
         object alive into the collector's permanent generation (``gc.freeze``), as a long-running
         server does after start-up: the compiled code and graphs are never scanned again."""
         dummy = [Request(-1, [0] * self.max_num_tokens, 1), Request(-2, [0], 2)]
@@ -341,6 +443,8 @@ class Engine:
             self.run([request])
         self.finished.clear()
         self.steps.clear()
+        for size in sorted(decode_sizes or ()):  # smallest first: each is captured, none rides a larger one
+            self._dummy_decode(size)
         if freeze_gc:
             gc.collect()
             gc.freeze()
@@ -423,15 +527,41 @@ class Engine:
                             sent(k_start, torch.int32), sent(slots_of(seq_k, key_positions)), q_lens, k_lens)
         return sent(torch.tensor(ids)), sent(positions), meta
 
-    def step(self) -> None:
-        start = time.perf_counter()
-        chosen = self._schedule()
-        ids, positions, meta = self._inputs(chosen)
+    def _decode_inputs(self, chosen: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode-only step's token ids and positions, its metadata written into the persistent buffers."""
+        block = self.cfg.block_size
+        ids, positions, slots = [], [], []
+        for request, _ in chosen:
+            position = request.computed
+            ids.append(request.output[position - len(request.prompt)])
+            positions.append(position)
+            slots.append(request.blocks[position // block] * block + position % block)
+        return self._decode.write(ids, positions, slots, len(chosen), [r for r, _ in chosen])
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         if self.mark_dynamic:  # as vLLM does: one graph for every token count, not one per first size
             torch._dynamo.mark_dynamic(ids, 0)
             torch._dynamo.mark_dynamic(positions, 0)
-        with forward_context(meta), torch.inference_mode():
-            hidden = self.forward(ids, positions)
+        mode = "full" if isinstance(meta, DecodeMetadata) else "piecewise"
+        with forward_context(meta), piecewise_backend.cudagraph_mode(mode), torch.inference_mode():
+            return self.forward(ids, positions)
+
+    def _dummy_decode(self, size: int) -> None:
+        """A decode step of ``size`` padding rows through the graph-safe path (captures its full graph)."""
+        if self._decode is not None:
+            self._forward(*self._decode.write([], [], [], size), self._decode.metadata(size))
+
+    def step(self) -> None:
+        start = time.perf_counter()
+        chosen = self._schedule()
+        decode_only = self._decode is not None and all(r.computed >= len(r.prompt) for r, _ in chosen)
+        if decode_only:
+            ids, positions = self._decode_inputs(chosen)
+            meta = self._decode.metadata(len(chosen))
+        else:
+            ids, positions, meta = self._inputs(chosen)
+        hidden = self._forward(ids, positions, meta)
+        with torch.inference_mode():
             last, sampling = [], []
             offset = 0
             for request, n in chosen:
@@ -439,8 +569,10 @@ class Engine:
                 if request.computed + n >= len(request.prompt):  # the prompt is in: its last token samples
                     last.append(offset - 1)
                     sampling.append(request)
-            tokens = self.model.logits(hidden[torch.tensor(last, device=self.device)]).argmax(-1).tolist() \
-                if last else []
+            tokens = []
+            if last:  # a decode-only step samples every row: no gather
+                rows = hidden if len(last) == hidden.shape[0] else hidden[torch.tensor(last, device=self.device)]
+                tokens = self.model.logits(rows).argmax(-1).tolist()
         now = time.perf_counter()
         for request, n in chosen:
             request.computed += n

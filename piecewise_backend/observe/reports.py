@@ -29,6 +29,8 @@ def process_stats() -> dict:
         "captured_sizes": sum(len(g.events) for g in graphs),
         "capture_seconds": sum(g.capture_seconds for g in graphs),
         "replays": sum(g.replays for g in graphs),
+        "full_replays": sum(g.full_replays for g in graphs),  # calls served by a full graph
+        "piecewise_replays": sum(g.piecewise_replays for g in graphs),  # calls served by piecewise graphs
         "ungraphed_runs": sum(g.ungraphed_runs for g in graphs),
         "rides": sum(g.rides for g in graphs),
         "misses": {str(reason): count for reason, count in misses.items()},

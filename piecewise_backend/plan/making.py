@@ -23,6 +23,7 @@ from ..rewrite.graph_attention import PATH as ATTENTION_PATH
 from ..split.splitting import SplitGraph
 from .collectives import collective_groups
 from .emulation import emulating
+from .full_graph import full_graph_plan
 from .padding import plan_padding
 from .sdpa_choice import choose as choose_sdpa
 from .signatures import piece_signatures
@@ -96,7 +97,8 @@ def _padding(config: PiecewiseConfig, split: SplitGraph, compiled: Mapping, fake
     unmasked = {piece: tuple(w for w in written if w not in split.whole_writes or sym in batch_sized[w])
                 for piece, written in unmasked.items()}
     pieces = {name: (c.fake_args, fake_outputs[name]) for name, c in compiled.items()}
-    per_piece, refusal, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked, row_access)
+    per_piece, refusal, capacities = plan_padding(sym, split.compute_nodes, pieces, unmasked, row_access,
+                                                  frozenset(config.row_independent_ops))
     refusal = refusal or in_place_rows
     if not config.padding:
         return PaddingPlan({}, refusal, capacities, "off (padding=False): only exact capture sizes get graphs")
@@ -237,5 +239,6 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
                                  and node.target is not PREFIX_ATTENTION],
                                 "cuda" if emulating() else
                                 graph_device(inputs.fake_inputs, inputs.python_scalars).type),
+        full=full_graph_plan(config, inputs, split, key, any(p.draws_random for p in compiled.values())),
         report=PlanReport(dict(signatures), _piece_code(split), _attention(calls), compiler.inductor_compiles,
                           compiler.inductor_seconds))

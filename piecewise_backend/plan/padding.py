@@ -85,19 +85,20 @@ def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePaddin
     return PiecePadding(arg_dims, tuple(out_dims), scalars)
 
 
-def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict,
-                 row_access: dict | None = None) -> tuple[dict | None, str | None, tuple]:
+def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict, row_access: dict | None = None,
+                 declared: frozenset = frozenset()) -> tuple[dict | None, str | None, tuple]:
     """Padding of every compute piece and the row capacities, or (None, reason, ()) when the graph
     cannot be padded.
 
     ``pieces`` maps piece name -> (fake args, fake output); ``input_writes`` maps piece name -> the
     graph inputs it writes at the caller's positions; ``row_access``: the rewrites' own nodes that
-    read or write buffers by batch row (see ``row_independence.analyse``).
+    read or write buffers by batch row (see ``row_independence.analyse``); ``declared``: the ops the
+    user declares row-wise (``row_independent_ops``).
     """
     for name, written in input_writes.items():
         if written:
             return None, f"{name} writes {', '.join(written)}: padded rows would write rows the caller did not pass", ()
-    rows = analyse(compute_nodes, sym, row_access)
+    rows = analyse(compute_nodes, sym, row_access, declared)
     if rows.refusal:
         return None, rows.refusal, ()
     out = {}

@@ -119,6 +119,23 @@ class PaddingPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class FullGraphPlan:
+    """How a call under ``cudagraph_mode("full")`` is captured whole (``full_graph.py`` decides it)."""
+
+    refusal: str | None  # why no call of this graph may be captured whole (None: any may)
+    padding: PiecePadding | None  # the whole graph's inputs and outputs padded (None: exact sizes)
+    padding_note: str  # what is padded, or why nothing is (naming the op), for people
+    capacities: tuple[Capacity, ...]  # tensors read or written by batch row: they cap the padded size
+    in_place: frozenset  # input indices used at their own address (weights, written inputs, Python scalars)
+    draws_random: bool  # some op draws from the default CUDA generator (captured with it registered)
+    returns_inputs: frozenset = frozenset()  # output positions that are views of inputs used in place
+
+    def row_limit(self, symbols: tuple) -> Callable[[tuple], int | None] | None:
+        capacities = self.capacities
+        return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
+
+
+@dataclasses.dataclass(frozen=True)
 class PlanReport:
     """What the plan tells people (the inspection report, the stats), apart from what runs a call."""
 
@@ -142,6 +159,7 @@ class GraphPlan:
     unmasked_writes: tuple  # buffers compute pieces write at the caller's positions (full mode)
     collective_groups: tuple  # process groups whose ranks must decide captures together (collectives.py)
     sdpa_choice: SdpaChoice | None  # the SDPA kernels eager attention may use (None: torch's choice)
+    full: FullGraphPlan  # how a call is captured whole, when its caller says it may be
     report: PlanReport  # what it tells people; nothing that runs a call reads it
 
     @functools.cached_property

@@ -4,12 +4,20 @@ The seed RFC's trade-off: capturing every size up front costs seconds and memory
 for; capturing lazily makes latency and memory unpredictable. So every knob is explicit and this
 module turns them into one :class:`Route` per call, which the stitched graph caches per shape key (a
 decode loop pays one dict lookup per step for it).
+
+A call is graphed in one of two ways, the caller choosing per call (``graph_mode.cudagraph_mode``):
+piecewise (compute pieces, splitting ops eager between them) or full (the whole call, one graph).
+Both kinds of graph share the sizes, the budget and the pool, but each has its own captured keys,
+its own padding rule (a full graph runs the splitting ops at the padded size too, so the proof
+covers them: :class:`SizeRule`) and its own deferral counts. This module is where the choice of
+graph for a call is made, for both.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+from typing import Callable
 
 from ..config import PiecewiseConfig
 from ..kinds import Miss
@@ -32,6 +40,7 @@ class Route:
         wanted: the key a refused capture would have captured (``capture_traffic.py`` counts it).
         waiting: the bucket key this call's size waits to have captured while it rides ``key``, a
             larger captured graph (``capture_deferral.py``); such a route is made anew at each call.
+        full: the graph is a full one (the whole call captured, ``full_graph.py``), not pieces.
 
     A route with a ``key`` and a ``miss`` replays ``key`` padded: the size's own capture was refused
     (``miss`` says why) and a larger captured graph serves it rather than an un-graphed run.
@@ -45,6 +54,28 @@ class Route:
     detail: str | None = None
     wanted: tuple | None = None
     waiting: tuple | None = None
+    full: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeRule:
+    """How one kind of graph (piecewise or full) maps a batch size to a captured size.
+
+    ``padding``: pad up to the next capture size (the proof held); ``exact_sizes``: padding was
+    wanted but refused, so each size up to the largest is captured as it is; ``row_limit``: ``key ->
+    rows`` that a padded batch may not exceed (see :class:`CapturePolicy`); ``deferral``: the
+    counts of ``defer_captures``, or None.
+    """
+
+    padding: bool
+    exact_sizes: bool
+    row_limit: Callable | None
+    deferral: CaptureDeferral | None
+
+    @classmethod
+    def of(cls, config: PiecewiseConfig, no_padding_reason: str | None, row_limit) -> "SizeRule":
+        return cls(config.padding and no_padding_reason is None, config.padding and no_padding_reason is not None,
+                   row_limit, CaptureDeferral() if config.defer_captures else None)
 
 
 def _mib(n: float) -> str:
@@ -106,48 +137,69 @@ class CapturePolicy:
         row_limit: ``key -> rows``: the fewest rows of the tensors the graph reads or writes by batch
             row (``cache[:B]``; see ``row_independence``), or None. A batch pads only up to it;
             past it, the exact size is captured (padded rows would reach past those tensors).
+        full_padding: (why full graphs cannot be padded or None, their ``row_limit``).
     """
 
     def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
-                 agreement: RankAgreement | None = None, row_limit=None, symbols: tuple = ()):
+                 agreement: RankAgreement | None = None, row_limit=None, symbols: tuple = (),
+                 full_padding: tuple = (None, None)):
         self.sizes = config.sizes
         self.max_unreplayed = config.max_unreplayed_captures
         self.symbols = symbols  # the name of each shape-key position, for people
         self.pad_position = pad_position
-        self.padding = config.padding and no_padding_reason is None
-        self.exact_sizes = config.padding and no_padding_reason is not None
         self.lazy = config.lazy_capture
-        self.deferral = CaptureDeferral() if config.defer_captures else None
         self.budget = CaptureBudget(config.max_graph_memory, config.max_captured_sizes)
         self.agreement = agreement
-        self.row_limit = row_limit
+        self.pieces = SizeRule.of(config, no_padding_reason, row_limit)
+        self.full = SizeRule.of(config, *full_padding)
 
-    def bucket(self, size: int, rows: int | None = None) -> int | None:
+    padding = property(lambda self: self.pieces.padding)  # the piecewise rule's, by their old names
+    row_limit = property(lambda self: self.pieces.row_limit)
+
+    def bucket(self, size: int, rows: int | None = None, rule: SizeRule | None = None) -> int | None:
         """The capture size that serves ``size`` if it were captured (ignoring what is); ``size``
         itself when padding up would pass ``rows``, or when the graph cannot be padded."""
+        rule = rule or self.pieces
         if size > self.sizes[-1]:
             return None
-        if self.padding:
+        if rule.padding:
             bucket = self.sizes[bisect.bisect_left(self.sizes, size)]
             return size if rows is not None and bucket > rows else bucket
-        return size if size in self.sizes or self.exact_sizes else None
+        return size if size in self.sizes or rule.exact_sizes else None
 
     def with_size(self, key: tuple, size: int) -> tuple:
         p = self.pad_position
         return key[:p] + (size,) + key[p + 1:]
 
-    def route(self, key: tuple, captured: set, pool_bytes, unreplayed: set = frozenset()) -> Route:
+    def route(self, key: tuple, captured, pool_bytes, unreplayed: set = frozenset(), full: bool = False) -> Route:
         """The route for ``key`` given the keys already ``captured`` (``unreplayed``: those captured
-        lazily and not replayed since).
+        lazily and not replayed since), among piecewise graphs or, ``full``, full graphs.
 
         ``pool_bytes`` is a callable (measuring the pool costs a snapshot; only done when a memory
         cap exists and a capture is being considered).
         """
+        route = self._route(key, captured, pool_bytes, unreplayed, self.full if full else self.pieces)
+        return dataclasses.replace(route, full=True) if full else route
+
+    def full_route(self, key: tuple, graphs, failed, pool_bytes, unreplayed: set, refusal: str | None) -> Route:
+        """The route of a call under ``cudagraph_mode("full")``: a full graph to replay or capture
+        (``graphs``: those captured), or, with no key, why the call runs piecewise instead (this
+        graph may never be captured whole: ``refusal``; the key's capture ``failed``; a miss)."""
+        if refusal is not None:
+            return Route(None, detail=refusal, full=True)
+        route = self.route(key, graphs, pool_bytes, unreplayed, full=True)
+        if route.key is None:
+            return dataclasses.replace(route, detail=route.detail or str(route.miss))
+        if route.key in failed:
+            return Route(None, route.size, detail="its capture failed", full=True)
+        return route
+
+    def _route(self, key: tuple, captured, pool_bytes, unreplayed, rule: SizeRule) -> Route:
         if self.pad_position is None:
             return Route(key) if key in captured else self.admit(key, captured, pool_bytes, None, unreplayed)
         size = key[self.pad_position]
-        rows = self.row_limit(key) if self.padding and self.row_limit is not None else None
-        bucket = self.bucket(size, rows)
+        rows = rule.row_limit(key) if rule.padding and rule.row_limit is not None else None
+        bucket = self.bucket(size, rows, rule)
         if bucket is None:
             if size > self.sizes[-1]:
                 return Route(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
@@ -156,23 +208,23 @@ class CapturePolicy:
         bucket_key = self.with_size(key, bucket)
         if bucket_key in captured:
             return Route(bucket_key, size, padded=bucket != size)
-        ride = self._ride(key, bucket, captured, rows)
+        ride = self._ride(key, bucket, captured, rows, rule)
         if not self.lazy:
             if ride is not None:
                 return Route(ride, size, padded=True)
             return Route(None, size, miss=Miss.NOT_CAPTURED, detail=f"no captured size >= {size}")
-        if self.deferral is None or ride is None:
+        if rule.deferral is None or ride is None:
             return self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
-        if not self.deferral.due(bucket_key, bucket, ride[self.pad_position]):
+        if not rule.deferral.due(bucket_key, bucket, ride[self.pad_position]):
             return Route(ride, size, padded=True, waiting=bucket_key)
         route = self.admit(bucket_key, captured, pool_bytes, size, unreplayed)
         if route.key is None:  # refused: the larger graph serves it, not an un-graphed run
             return dataclasses.replace(route, key=ride, padded=True)
         return route
 
-    def _ride(self, key: tuple, bucket: int, captured: set, rows: int | None) -> tuple | None:
+    def _ride(self, key: tuple, bucket: int, captured, rows: int | None, rule: SizeRule) -> tuple | None:
         """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""
-        if not self.padding:
+        if not rule.padding:
             return None
         for larger in self.sizes[bisect.bisect_right(self.sizes, bucket):]:
             if rows is not None and larger > rows:
@@ -216,6 +268,6 @@ class CapturePolicy:
         padded size count once (there are at most ``len(capture_sizes)`` of them: a serving
         engine's token counts, not a size that changes at every call)."""
         p = self.pad_position
-        if not self.padding or p is None:
+        if not self.pieces.padding or p is None:
             return unreplayed
         return {k[:p] + k[p + 1:] for k in unreplayed}

@@ -9,8 +9,10 @@ between the replays. Per call, in order:
    call, the next decode position is written ahead);
 2. un-graphed if graphs are off for this graph or grad is needed;
 3. the parameters' addresses choose the set of graphs (``weight_sets.py``);
-4. the shape key (batch symbols) picks a cached :class:`~.capture_policy.Route`: replay a captured
-   key (maybe padded), capture a new one, or run un-graphed with a counted reason;
+4. a call under ``cudagraph_mode("full")`` is served by a full graph of the whole call
+   (``full_graph.py``) where it can be; under ``"none"``, un-graphed; else, or when a full graph
+   cannot serve it, the shape key picks a cached :class:`~.capture_policy.Route`: replay a
+   captured key (maybe padded), capture a new one, or run un-graphed with a counted reason;
 5. under ``max_captured_sizes``, a refused key that keeps coming replaces the least used captured
    one (``capture_traffic.py``);
 6. the runners are told through the step protocol (``StepState``) and the split graph runs.
@@ -19,7 +21,6 @@ between the replays. Per call, in order:
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import warnings
 from typing import TYPE_CHECKING, Iterable
@@ -28,7 +29,7 @@ import torch
 
 from .. import _torch_internals
 from ..config import PiecewiseConfig
-from ..kinds import CaptureHow, Miss, PieceKind
+from ..kinds import CaptureHow, GraphMode, Miss, PieceKind
 from . import messages
 from .call_guard import call_guard
 from .capture_policy import CapturePolicy, Route
@@ -36,8 +37,11 @@ from .capture_retries import CaptureRetries
 from .capture_traffic import CaptureTraffic
 from .devices import pool_bytes, synchronize
 from .distributed import RankAgreement, agreed_refusal
+from .full_graph import FALLBACK, FullGraphs
+from .graph_mode import current_mode
 from .piece_runner import PieceRunner, StepState
 from .sdpa_backends import SdpaBackends
+from .split_forward import one_piece_forward
 from .stats import CaptureEvent, GraphStats, PieceStats
 from .up_front import UpFrontCapture
 from .weight_sets import WeightSet, WeightSets
@@ -58,8 +62,10 @@ class CompiledGraph:
         self.stats = GraphStats.of_plan(plan)
         # ranks that must decide captures together (distributed.py), from the groups the plan names
         self.agreement = RankAgreement(list(plan.collective_groups)) if plan.collective_groups else None
+        full_refusal = None if plan.full.padding is not None else plan.full.padding_note
         self.policy = CapturePolicy(config, plan.key.pad_position, plan.padding.refusal, self.agreement,
-                                    plan.row_limit(), tuple(map(str, plan.key.symbols)))
+                                    plan.row_limit(), tuple(map(str, plan.key.symbols)),
+                                    (full_refusal, plan.full.row_limit(plan.key.symbols)))
         self.step = StepState()
         # the split graph this graph runs: a copy of the plan's, whose pieces are replaced by runners
         # (the plan stays as compile time made it: inspection reads it)
@@ -73,14 +79,16 @@ class CompiledGraph:
         self.weights = WeightSets(plan.inputs.weight_indices, config.max_weight_sets)
         self.up_front = UpFrontCapture(self)
         self._warned: set = set()
-        self._forward = _one_piece_forward(self.split_module) or \
+        self.forward_split = one_piece_forward(self.split_module) or \
             _torch_internals.generated_forward(self.split_module)
+        self.full = FullGraphs(self)  # calls under cudagraph_mode("full"): the whole call, one graph
         # the positions written per call: state of this graph's own (the plan's step scalars are a layout)
         self.step_scalars = plan.step_scalars.fresh() if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
         self._any_requires_grad = plan.any_requires_grad
         self._shape_key = plan.key.of
+        self._pad = plan.key.pad_position
         self._sdpa_backends = SdpaBackends(dict(plan.sdpa_choice.enabled), plan.sdpa_choice.reason) \
             if plan.sdpa_choice is not None else None
         self._guard = call_guard(plan.device)
@@ -156,12 +164,17 @@ class CompiledGraph:
         if self._graphs_off or not self._grad_allows_graphs():
             self._count_batch(args)
             step.ungraphed()
-            return self._forward(*args)
+            return self.forward_split(*args)
         if not self._weights_ready(args):
             step.ungraphed()
             self.stats.misses[Miss.WEIGHTS_MOVED] += 1
-            return self._forward(*args)
+            return self.forward_split(*args)
         key = self._shape_key(args)
+        mode = current_mode()
+        if mode is not GraphMode.PIECEWISE:  # the caller chose (graph_mode.py)
+            out = self._other_mode(mode, key, args)
+            if out is not FALLBACK:
+                return out
         route = self._routes.get(key)
         if route is None:
             route = self._new_route(key, args)
@@ -172,19 +185,32 @@ class CompiledGraph:
         if route.key is None:
             step.ungraphed()
             self.stats.misses[route.miss] += 1
-            return self._forward(*args)
+            return self.forward_split(*args)
         if route.waiting is not None or route.miss is not None:  # its own size waits or was refused
             self.stats.rides += 1
         if self._retries.pending and not route.capture and self._retries.due(route.key):
             route = self._forget(route.key, key, args)  # a failed capture's turn to be tried again
             if route.key is None:
                 step.ungraphed()
-                return self._forward(*args)
+                return self.forward_split(*args)
         step.replay(route.key, route.size, route.padded)
+        self.stats.graph_calls[(GraphMode.PIECEWISE, route.key[self._pad] if self._pad is not None else None)] += 1
         if route.capture:
             return self.capturing_step(route.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, route.key)),
-                                       lambda: self._forward(*args))
-        return self._forward(*args)
+                                       lambda: self.forward_split(*args))
+        return self.forward_split(*args)
+
+    def _other_mode(self, mode: GraphMode, key: tuple, args: tuple):
+        """A call under ``cudagraph_mode("full")`` or ``("none")``: its output, or FALLBACK (run it piecewise)."""
+        if mode is GraphMode.NONE:
+            self.step.ungraphed()
+            self.stats.misses[Miss.MODE_NONE] += 1
+            out = self.forward_split(*args)
+        else:
+            out = self.full.call(key, args)
+        if out is not FALLBACK:  # (a fallback's piecewise route counts its size)
+            self._count_batch(args)
+        return out
 
     def _forget(self, captured_key: tuple, key: tuple, args: tuple) -> Route:
         """Drop the graphs of ``captured_key`` (one of its pieces failed to capture) and route the call
@@ -215,9 +241,8 @@ class CompiledGraph:
 
     def _count_batch(self, args: tuple) -> None:
         """Un-graphed graphs count their batch sizes too (``stats.batch_sizes``, on CPU as well)."""
-        position = self.plan.key.pad_position
-        if position is not None:
-            self.stats.batch_sizes[self._shape_key(args)[position]] += 1
+        if self._pad is not None:
+            self.stats.batch_sizes[self._shape_key(args)[self._pad]] += 1
 
     def _weights_ready(self, args: tuple) -> bool:
         """Are the graphs of the call's parameter addresses the active ones, or made so now?
@@ -236,7 +261,7 @@ class CompiledGraph:
         when it is False on one, and the set switched to starts without graphs on every rank (its
         graphs, if it had any, are released): ranks whose addresses did not move capture again
         beside the one whose did."""
-        moved = self._first_moved(addresses)
+        moved = self.weights.first_moved(addresses, self.plan.inputs.names)
         weight_set = self.weights.find(addresses)
         detail = None
         if weight_set is None:
@@ -259,21 +284,12 @@ class CompiledGraph:
         self.up_front.use_weights(args)
         return True
 
-    def _first_moved(self, addresses: tuple) -> str:
-        """Which input's address differs from the active set's, for the warnings ("first seen": none active)."""
-        active = self.weights.active_addresses
-        if active is None:
-            return "first seen"
-        names = self.plan.inputs.names
-        moved = [names[i] for i, new, old in zip(self.plan.inputs.weight_indices, addresses, active) if new != old]
-        return f"{moved[0]}" + (f" and {len(moved) - 1} more" if len(moved) > 1 else "") if moved else "none"
-
     def _activate(self, addresses: tuple, weight_set: WeightSet) -> None:
         for name, runner in self.runners.items():
             runner.captures = weight_set.captures.setdefault(name, {})
             runner.failed_keys = weight_set.failed.setdefault(name, set())
         self.captured, self._routes, self._unreplayed = weight_set.captured, weight_set.routes, weight_set.unreplayed
-        self._retries = weight_set.retries
+        self._retries, self.full.state = weight_set.retries, weight_set.full
         self.weights.activate(addresses, weight_set)
 
     def _new_route(self, key: tuple, args: tuple) -> Route:
@@ -341,7 +357,7 @@ class CompiledGraph:
         weight_set.captured.clear()
         weight_set.unreplayed.clear()
         weight_set.routes.clear()  # routes to captured keys would replay graphs that are gone
-        return released
+        return released + weight_set.full.clear()
 
     def pool_bytes(self) -> int:
         device = self.device
@@ -357,39 +373,21 @@ class CompiledGraph:
         if how == CaptureHow.LAZY:
             self._unreplayed.add(key)
         self._routes.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
+        self.log_capture(key, how, seconds, before, GraphMode.PIECEWISE, after)
+
+    def log_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int, mode: GraphMode,
+                    after: int | None = None) -> None:
+        """What every capture leaves, piecewise or full: the budget's measure, the event, the log line."""
+        after = self.pool_bytes() if after is None else after
         position = self.plan.key.pad_position
         self.policy.budget.record(key[position] if position is not None else None, after - before)
-        pieces = sum(1 for r in self.runners.values() if key in r.captures)
-        self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces, self.stats.calls))
-        log.info("piecewise: graph %d: captured shape key %s (%s) across %d pieces in %.0f ms; graph pool "
-                 "%.1f MiB (+%.1f MiB)", self.serial, key, how, pieces, seconds * 1e3, after / 2**20,
-                 (after - before) / 2**20)
+        pieces = sum(1 for r in self.runners.values() if key in r.captures) if mode is GraphMode.PIECEWISE else 1
+        self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces, self.stats.calls, mode))
+        log.info("piecewise: graph %d: captured shape key %s (%s, %s) in %.0f ms; graph pool %.1f MiB (+%.1f MiB)",
+                 self.serial, key, how, "whole call" if mode is GraphMode.FULL else f"{pieces} pieces",
+                 seconds * 1e3, after / 2**20, (after - before) / 2**20)
         cap = self.config.max_graph_memory
         if cap is not None and after > cap:
             self.warn_once("over cap", f"piecewise: graph {self.serial}: graph pool holds {after / 2**20:.1f} "
                                        f"MiB after capturing {key}, above max_graph_memory={cap / 2**20:.1f} "
                                        f"MiB; no further captures.")
-
-
-def _one_piece_forward(gm: torch.fx.GraphModule):
-    """For a split graph that is one piece called on graph inputs (a decode step in one graph):
-    a forward that calls that piece's runner with its args picked from the call's, or None.
-
-    Why: the generated forward names every input (~190 for a 16-layer model) before the one call
-    and clears the names after it; on the H200 machine that was ~5 µs of a decode step's host time.
-    """
-    placeholders = {node: i for i, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
-    body = [n for n in gm.graph.nodes if n.op != "placeholder"]
-    if len(body) != 2 or body[0].op != "call_module" or body[0].kwargs or body[1].op != "output":
-        return None
-    call, result = body[0], body[1].args[0]
-    if result is not call and result != (call,) or not all(a in placeholders for a in call.args):
-        return None
-    piece = gm.__dict__[call.target]  # the runner (or eager forward) that _wrap_pieces installed
-    order = [placeholders[a] for a in call.args]
-    if len(order) < 2:
-        return None
-    pick = operator.itemgetter(*order)
-    if result is call:
-        return lambda *args: piece(*pick(args))
-    return lambda *args: (piece(*pick(args)),)

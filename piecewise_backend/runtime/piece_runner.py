@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import _torch_internals, op_names
+from .buffers import fits_in_storage, narrowed, owned_copy, weak_alias
 from .devices import device_graphs
 from .distributed import RankAgreement, agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
@@ -59,18 +60,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 
 
-def _alias(t: torch.Tensor, size=None) -> torch.Tensor:
-    """A weak alias of pool memory on CUDA; a plain view when emulating on CPU."""
-    if t.is_cuda:
-        return _torch_internals.non_owning_alias(t, size)
-    return t.as_strided(size if size is not None else t.shape, t.stride(), t.storage_offset())
-
-
 @dataclasses.dataclass
 class StepState:
     """What the compiled graph tells every runner about the current call (see "The step protocol")."""
 
     graphing: bool = False
+    whole: bool = False  # inside a full graph's run or capture: pieces run their compiled code as it is
     key: tuple = ()  # the shape key of the graphs to replay or capture
     size: int | None = None  # the caller's batch size when it is padded up to the key's
     key_size: int | None = None  # the key's batch size (what the graphs are captured at)
@@ -82,11 +77,16 @@ class StepState:
 
     def ungraphed(self) -> None:
         """This call runs every piece compiled but un-graphed."""
-        self.graphing = False
+        self.graphing = self.whole = False
+
+    def inside_full_graph(self) -> None:
+        """This call is run, or captured, whole (``full_graph.py``): each piece runs its compiled code
+        as it is, counted nowhere (the full graph's own stats count the call)."""
+        self.graphing, self.whole = False, True
 
     def replay(self, key: tuple, size: int | None, padded: bool) -> None:
         """This call replays (or, for pieces without a graph of ``key``, captures) the graphs of ``key``."""
-        self.graphing, self.key, self.size, self.padded = True, key, size, padded
+        self.graphing, self.whole, self.key, self.size, self.padded = True, False, key, size, padded
         self.refreshed.clear()
 
     def capturing(self, key_size: int | None, sym_values: dict) -> None:
@@ -103,12 +103,6 @@ class _Captured:
     #               that is not a parameter/buffer
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
     views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
-
-
-def _fits_in_storage(t: torch.Tensor, size) -> bool:
-    """Would ``t`` with shape ``size`` (same strides and offset) stay inside its storage?"""
-    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(size, t.stride()) if n > 0)
-    return last < t.untyped_storage().nbytes() // t.element_size()
 
 
 class PieceRunner:
@@ -156,7 +150,7 @@ class PieceRunner:
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
         step = self.step
         if not step.graphing:
-            return self._ungraphed(args)
+            return self._run_compiled(args) if step.whole else self._ungraphed(args)
         captured = self.captures.get(step.key)
         if captured is None:
             if step.key in self.failed_keys:
@@ -242,10 +236,7 @@ class PieceRunner:
         return checks, outputs
 
     def _narrow_outputs(self, outputs, size: int):
-        flat = outputs if isinstance(outputs, tuple) else (outputs,)
-        dims = self.padding.out_dims
-        cut = tuple(o.narrow(dims[j], 0, size) if dims[j] is not None else o for j, o in enumerate(flat))
-        return cut if isinstance(outputs, tuple) else cut[0]
+        return narrowed(outputs, self.padding.out_dims, size)
 
     def _user_outputs(self, outputs):
         if not self._clones:
@@ -309,15 +300,15 @@ class PieceRunner:
             staged = step.staged.get(stage)
             if i in self.static_args:
                 continue  # parameters keep their address: captured in place (weight_sets.py)
-            if arg.data_ptr() in step.pool_ptrs and _fits_in_storage(arg, size):
+            if arg.data_ptr() in step.pool_ptrs and fits_in_storage(arg, size):
                 # an earlier piece's captured output (the first rows of it, when padded)
-                buf = _alias(arg, size)
+                buf = weak_alias(arg, size)
                 capture_args[i] = buf if dim is not None else arg
             elif staged is not None and list(staged.shape) == size and staged.stride() == arg.stride():
                 buf = staged  # an earlier piece of this call copied the same source into it
                 capture_args[i] = buf
             else:
-                buf = self._owned_buffer(arg, i, size, dim)
+                buf = owned_copy(arg, self.fake_args[i], step.sym_values, size, dim)
                 capture_args[i] = buf
                 if stage is not None:
                     step.staged[stage] = buf
@@ -334,24 +325,6 @@ class PieceRunner:
             for tensor, copy in saved:
                 tensor.copy_(copy)
         return restore
-
-    def _owned_buffer(self, arg: torch.Tensor, i: int, size: list, dim) -> torch.Tensor:
-        """A buffer this runner owns, holding ``arg`` (in its first rows when padded).
-
-        Strides are the ones the compiled piece expects (its fake input's, at the key's size);
-        the storage offset is dropped: compiled code reads through the data pointer.
-        """
-        strides = strides_at(self.fake_args[i], self.step.sym_values)
-        if dim is None:
-            buf = torch.empty_strided(arg.shape, strides or arg.stride(), dtype=arg.dtype, device=arg.device)
-            buf.copy_(arg)
-            return buf
-        if strides is None:
-            raise ValueError(f"no strides for padded input {i} at {self.step.sym_values}")
-        buf = torch.empty_strided(size, strides, dtype=arg.dtype, device=arg.device)
-        buf.zero_()  # padded rows must hold valid values (an index tensor's garbage could be out of range)
-        buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
-        return buf
 
     def _device(self, args) -> torch.device:
         """The graph's device (a Python float passed as a CPU scalar may come first among the args)."""
@@ -383,7 +356,7 @@ class PieceRunner:
         for o in flat:
             if isinstance(o, torch.Tensor):
                 step.pool_ptrs.add(o.data_ptr())
-                aliases.append(_alias(o))
+                aliases.append(weak_alias(o))
             else:
                 aliases.append(o)
         stored = tuple(aliases) if isinstance(outputs, tuple) else aliases[0]

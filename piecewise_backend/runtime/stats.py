@@ -12,7 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ..kinds import CaptureHow
+from ..kinds import CaptureHow, GraphMode
 
 
 @dataclasses.dataclass
@@ -38,6 +38,7 @@ class CaptureEvent:
     pool_growth: int  # bytes the pool grew by
     pieces: int  # pieces captured (pieces whose capture failed run un-graphed at this key)
     call: int  # the graph's call count when it happened (eager captures of the first call: 1)
+    mode: GraphMode = GraphMode.PIECEWISE  # full: the whole call captured as one graph
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics
@@ -61,6 +62,13 @@ class GraphStats:
     weight_sets_replaced: int = 0  # of those, dropped past max_weight_sets for a newer one
     replaced_keys: list = dataclasses.field(default_factory=list)  # captured keys released for busier ones
     rides: int = 0  # calls that replayed a larger captured graph, their own size waiting or refused
+    full_padding: str = ""  # what full graphs pad, or why nothing is (naming the op)
+    full_refusal: str | None = None  # why no call is captured whole, if none is
+    graph_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (mode, size) -> calls
+    #   served by graphs of that kind and captured size (replays, and the calls that captured them)
+    full_failures: list = dataclasses.field(default_factory=list)  # reasons a full capture failed
+    full_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls under
+    #   cudagraph_mode("full") that ran piecewise, by reason
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
     batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
@@ -76,6 +84,7 @@ class GraphStats:
                    inductor_compiles=plan.report.inductor_compiles, inductor_seconds=plan.report.inductor_seconds,
                    graphs_disabled_reason=plan.graphs_disabled_reason,
                    padding=plan.padding.note, unsafe_ops=plan.split.unsafe_ops,
+                   full_padding=plan.full.padding_note, full_refusal=plan.full.refusal,
                    eager_sdpa=plan.sdpa_choice.reason if plan.sdpa_choice is not None else "",
                    attention=dict(collections.Counter(how for _, how in plan.report.attention)))
 
@@ -90,6 +99,25 @@ class GraphStats:
     @property
     def ungraphed_runs(self) -> int:
         return sum(p.ungraphed_runs for p in self.pieces.values())
+
+    @property
+    def full_replays(self) -> int:
+        """Calls served by a full graph (the whole call, one CUDA graph), capturing calls included."""
+        return sum(n for (mode, _), n in self.graph_calls.items() if mode == GraphMode.FULL)
+
+    @property
+    def piecewise_replays(self) -> int:
+        """Calls served by piecewise graphs (compute pieces replayed, splitting ops eager)."""
+        return sum(n for (mode, _), n in self.graph_calls.items() if mode == GraphMode.PIECEWISE)
+
+    @property
+    def full_keys(self) -> list:
+        """Shape keys captured as full graphs, in order (a key released and captured again: twice)."""
+        return [e.key for e in self.events if e.mode == GraphMode.FULL]
+
+    @property
+    def full_captures(self) -> int:
+        return len(self.full_keys)
 
     @property
     def capture_seconds(self) -> float:
@@ -110,7 +138,7 @@ class GraphStats:
 
     def rows(self) -> list[dict]:
         """One dict per captured size: key, how, seconds, pool MiB, growth MiB, pieces."""
-        return [{"key": e.key, "how": e.how, "capture_ms": round(e.seconds * 1e3, 1),
+        return [{"key": e.key, "mode": e.mode, "how": e.how, "capture_ms": round(e.seconds * 1e3, 1),
                  "pool_mib": round(e.pool_bytes / 2**20, 1), "growth_mib": round(e.pool_growth / 2**20, 1),
                  "pieces": e.pieces, "call": e.call} for e in self.events]
 
@@ -126,6 +154,8 @@ class GraphStats:
             f"{self.capture_seconds:.2f} s; graph pool {self.pool_bytes / 2**20:.1f} MiB; replays: {self.replays}; "
             f"un-graphed runs: {self.ungraphed_runs}",
         ]
+        if self.full_replays or self.full_fallbacks or self.full_failures:
+            lines.append(self._full_summary())
         if self.graphs_disabled_reason:
             lines.append(f"CUDA graphs off: {self.graphs_disabled_reason}")
         elif self.padding:  # without graphs nothing is padded: every batch runs at its own size
@@ -151,6 +181,15 @@ class GraphStats:
             for reason in p.failures:
                 lines.append(f"{p.name}: {reason}")
         return "\n".join(lines)
+
+
+    def _full_summary(self) -> str:
+        sizes = sorted((size, n) for (mode, size), n in self.graph_calls.items() if mode == GraphMode.FULL)
+        line = (f"full graphs: {self.full_replays} calls at sizes {dict(sizes)} (captured {sorted(self.full_keys)}); "
+                f"piecewise: {self.piecewise_replays} calls; full padding: {self.full_padding}")
+        for reason, count in self.full_fallbacks.items():
+            line += f"\ncalls under cudagraph_mode('full') run piecewise, {reason}: {count}"
+        return "\n".join([line, *self.full_failures])
 
 
 def format_table(rows: list[dict]) -> str:

@@ -37,6 +37,23 @@ _data_ptr = torch.Tensor.data_ptr
 
 
 @dataclasses.dataclass
+class FullGraphState:
+    """A weight set's full graphs (``full_graph.py``): the whole call captured as one graph per key."""
+
+    graphs: dict = dataclasses.field(default_factory=dict)  # shape key -> captured full graph
+    failed: dict = dataclasses.field(default_factory=dict)  # shape key -> why its capture failed
+    routes: dict = dataclasses.field(default_factory=dict)  # shape key -> capture_policy.Route
+    unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
+
+    def clear(self) -> int:
+        released = len(self.graphs)
+        self.graphs.clear()
+        self.routes.clear()
+        self.unreplayed.clear()
+        return released
+
+
+@dataclasses.dataclass
 class WeightSet:
     """What a compiled graph keeps per set of parameter addresses."""
 
@@ -47,6 +64,7 @@ class WeightSet:
     failed: dict = dataclasses.field(default_factory=dict)  # piece name -> shape keys whose capture failed
     unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
     retries: CaptureRetries = dataclasses.field(default_factory=CaptureRetries)  # keys whose capture failed
+    full: FullGraphState = dataclasses.field(default_factory=FullGraphState)
 
 
 class WeightSets:
@@ -101,6 +119,13 @@ class WeightSets:
         self._created += 1
         found = self._sets[addresses] = WeightSet(self._created)
         return found
+
+    def first_moved(self, addresses: tuple, names: tuple) -> str:
+        """Which input's address differs from the active set's, for the warnings ("first seen": none active)."""
+        if self.active_addresses is None:
+            return "first seen"
+        moved = [names[i] for i, new, old in zip(self._indices, addresses, self.active_addresses) if new != old]
+        return f"{moved[0]}" + (f" and {len(moved) - 1} more" if len(moved) > 1 else "") if moved else "none"
 
     def activate(self, addresses: tuple, weight_set: WeightSet) -> None:
         self._sets[addresses] = self._sets.pop(addresses)  # now the most recently used

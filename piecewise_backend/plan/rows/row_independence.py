@@ -33,7 +33,7 @@ import torch.fx
 
 from ..._torch_internals import sym_expr
 from ...fx import graph_facts as facts
-from ...op_names import display_name
+from ...op_names import canonical_op_name, display_name
 from .row_indexing import IndexingRules
 from .row_ops import ALONG_DIM, CONV_NDIM, MATMULS, METADATA, MOVES, NORMS_OVER_LAST, POINTWISE, RESHAPES, SPLIT_ALONG, Refused, as_dims, base, dims_arg, norm_dim, op_name, prefix
 
@@ -84,10 +84,11 @@ class _Dims:
 
 
 class _Analysis(IndexingRules):
-    def __init__(self, sym, known: dict):
+    def __init__(self, sym, known: dict, declared: frozenset = frozenset()):
         self.dims = _Dims(sym)
         self.sym = sym
         self.known = known  # node -> tuple of (tensor node, dim) it reads/writes by batch row
+        self.declared = declared  # ops the user declared row-wise (``row_independent_ops``)
         self.capacities: list[Capacity] = []
 
     # -- helpers -------------------------------------------------------------------------------
@@ -117,6 +118,8 @@ class _Analysis(IndexingRules):
             for tensor, dim in self.known[node]:
                 self.capacity(tensor, dim, where)
             return
+        if node.op == "call_function" and canonical_op_name(node.target) in self.declared:
+            return  # the user's word for it (``row_independent_ops``): a custom op the proof cannot read
         out = facts.example_value(node)
         tensor_inputs = [i for i in node.all_input_nodes if isinstance(facts.example_value(i), torch.Tensor)]
         batched = {i: self.batch(i) for i in tensor_inputs}
@@ -134,6 +137,11 @@ class _Analysis(IndexingRules):
             elif name in ("setitem", "__setitem__"):
                 self.rows_written(node, where)
             return
+        custom = canonical_op_name(node.target) if node.op == "call_function" and name is None else None
+        if custom is not None:
+            raise Refused(f"{where} is a custom op the padding proof cannot see into; if each of its output "
+                          f"rows reads only the same rows of its inputs, and a padded row writes nothing that real "
+                          f"rows read, declare it: options={{'row_independent_ops': [{custom!r}]}}")
         if not outs:
             if base(name or "") in METADATA:
                 return  # a size, stride or dtype: the same for every row
@@ -318,13 +326,14 @@ class _Analysis(IndexingRules):
             raise Refused(f"{where}: the batch dim is not one of attention's leading (batch/head) dims")
 
 
-def analyse(nodes, sym, known: dict | None = None) -> RowAnalysis:
+def analyse(nodes, sym, known: dict | None = None, declared: frozenset = frozenset()) -> RowAnalysis:
     """Prove that ``nodes`` (the compute nodes, in order) keep rows apart along ``sym``.
 
     ``known``: nodes built by the backend's own rewrites that are row-wise by construction, each
     with the (tensor, dim) pairs it reads or writes by batch row (they add row capacities).
+    ``declared``: names of ops the user declares row-wise (``row_independent_ops``), taken as such.
     """
-    analysis = _Analysis(sym, known or {})
+    analysis = _Analysis(sym, known or {}, declared)
     try:
         for node in nodes:
             analysis.check(node)

@@ -1,0 +1,279 @@
+"""The seed's own serving workload, timed as ``vllm bench serve`` times it, and a concurrency sweep.
+
+    python benchmarks/seed_workload.py --out seed.json [--variants full-and-piecewise,piecewise] [--requests 30]
+    python benchmarks/seed_workload.py --out seed.json --figure seed_tpot.png     # its figure
+    python benchmarks/seed_workload.py --out /tmp/s.json --device cpu --config tiny --requests 4   # smoke test
+
+The seed's headline (vLLM's "Support full cuda graph" table) is Qwen2.5-1.5B under ``vllm bench serve
+--random-input-len 1000 --random-output-len 100 --request-rate 1``: median TPOT 5.75 ms with piecewise
+graphs, 5.33 ms with one full graph. Here: ``toys/engine.py`` at Qwen2.5-1.5B's dimensions (random
+weights, bf16), prompts of exactly 1,000 random tokens, 100 new tokens each, Poisson arrivals at
+``--rate`` requests/s, ``--requests`` of them, token budget 2,048. Per request, as vLLM computes them:
+TTFT (first token - arrival), TPOT ((last token - first token) / (tokens - 1)), ITL (every gap
+between a request's tokens); median, mean and p99 of each, and output tokens/s.
+
+Then, in the same process (the start-up paid once), the concurrency sweep: ``--in-flight`` levels
+(1, 8, 32, 64), each one wave of that many requests submitted at once with ``max_num_seqs`` set to
+it, 64-token prompts and 256 new tokens (decode-heavy), after a short untimed wave of the same
+level (4 new tokens: the warm-up ``vllm bench serve`` does too): output tokens/s and median TPOT.
+
+Variants, each in a child process with its own timeout (rows are written as they come):
+
+* ``eager``; ``inductor`` (``torch.compile`` default); ``reduce-overhead`` (the attention op tagged
+  ``cudagraph_unsafe``, its best chance);
+* ``breakable-cuda-graphs``: Meta's runtime-segmented capture, no compiler (``peers.py``);
+* ``piecewise``: this backend, every step piecewise (the engine's host metadata path), as before full
+  graphs existed;
+* ``piecewise-paged``: piecewise too, but decode steps take the engine's graph-safe path (the paged
+  decode kernel, eager between the pieces): what the kernel gives without full graphs;
+* ``full-and-piecewise``: the engine's default: decode-only steps under ``cudagraph_mode("full")``
+  (one graph per batch size, captured lazily), other steps piecewise;
+* ``full-and-piecewise-all``: the same with every size captured up front (``eager_capture_sizes="all"``
+  and a dummy decode step per decode size: vLLM's way).
+
+The other variants run the engine's default metadata paths too (their attention op does the same
+work); only ``piecewise`` keeps the host path for decode steps. Each row records its start-up
+(process start to the engine warmed up), whether Inductor's cache was cold or warm for it (from
+Inductor's own counters: the variants share one cache folder, so a later variant may find what an
+earlier one compiled), the captures, and full and piecewise replays. ``--agreement-variants``: those
+variants also compare their fp32 tokens with the eager engine's on a short trace (a second compile).
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (the repository root on sys.path)
+from child_rows import child_row, report  # noqa: E402
+from serving import CONFIGS, build, percentile  # noqa: E402  (the model: as serving.py builds it)
+from toys import engine as toy  # noqa: E402
+
+VARIANTS = ("piecewise", "full-and-piecewise", "full-and-piecewise-all", "piecewise-paged", "eager",
+            "breakable-cuda-graphs", "inductor", "reduce-overhead")
+SEED_VLLM = {"piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
+             "full": {"tpot_median_ms": 5.33, "ttft_median_ms": 30.5, "itl_p99_ms": 6.18}}  # seed 001, their GPU, fp16
+PROMPT, OUTPUT, SWEEP_PROMPT, SWEEP_OUTPUT = 1000, 100, 64, 256
+
+
+def compiled(model, variant: str):
+    """What the engine calls for ``variant``."""
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return torch.compile(model)
+    if variant == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    if variant == "breakable-cuda-graphs":
+        from peers import BreakableForward
+
+        return BreakableForward(model)
+    options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
+    if variant == "full-and-piecewise-all":
+        options["eager_capture_sizes"] = "all"
+    return torch.compile(model, backend="piecewise", options=options)
+
+
+def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.Engine:
+    tiny = args.config == "tiny"
+    longest = 64 if tiny else max(PROMPT + OUTPUT, SWEEP_PROMPT + SWEEP_OUTPUT)
+    seqs = max(args.in_flight)
+    per_request = -(-longest // model.cfg.block_size)
+    blocks = max(seqs * -(-(SWEEP_PROMPT + SWEEP_OUTPUT) // model.cfg.block_size), 8 * per_request,
+                 -(-args.max_num_tokens // model.cfg.block_size) + 1) + 8  # (the warm-up's step at the budget)
+    mode = "piecewise" if variant in ("piecewise",) else "full_and_piecewise"
+    return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=seqs, num_blocks=blocks,
+                      device=device, dtype=dtype, graph_mode=mode)
+
+
+def requests(n: int, prompt: int, output: int, rate: float, vocab: int, seed: int = 0) -> list:
+    """``n`` requests of exactly ``prompt`` random tokens and ``output`` new ones, Poisson arrivals at
+    ``rate`` requests/s (0: all at once)."""
+    g = torch.Generator().manual_seed(seed)
+    out, arrival = [], 0.0
+    for i in range(n):
+        if rate > 0:
+            arrival += float(torch.empty(()).exponential_(rate, generator=g))
+        out.append(toy.Request(i, torch.randint(0, vocab, (prompt,), generator=g).tolist(), output, arrival))
+    return out
+
+
+def latencies(done: list, start: float) -> dict:
+    """vLLM's serving metrics over finished requests (times in ms; arrivals relative to ``start``)."""
+    ttft = [(r.token_times[0] - start - r.arrival) * 1e3 for r in done]
+    tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in done
+            if len(r.token_times) > 1]
+    itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        out.update({f"{name}_median_ms": _ms(statistics.median(values)), f"{name}_mean_ms": _ms(statistics.fmean(values)),
+                    f"{name}_p99_ms": _ms(percentile(values, 0.99))})
+    duration = max(r.token_times[-1] for r in done) - start - min(r.arrival for r in done)
+    out["out_tok_s"] = round(sum(len(r.output) for r in done) / duration, 1)
+    return out
+
+
+def graph_counts() -> dict:
+    """Captures and replays of every compiled graph of this process (the backend's variants only)."""
+    if "piecewise_backend" not in sys.modules:
+        return {}
+    import piecewise_backend
+
+    graphs = piecewise_backend.compiled_graphs()
+    return {"captures": sum(g.stats.captures + g.stats.full_captures for g in graphs),
+            "full_replays": sum(g.stats.full_replays for g in graphs),
+            "piecewise_replays": sum(g.stats.piecewise_replays for g in graphs),
+            "full_fallbacks": sum(sum(g.stats.full_fallbacks.values()) for g in graphs),
+            "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs)}
+
+
+def inductor_cache() -> str:
+    """cold / warm / mixed, from Inductor's FX graph cache counters (none: nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return "none" if not hits + misses else "warm" if not misses else "cold" if not hits else "mixed"
+
+
+def serve(args, variant: str) -> tuple[dict, list]:
+    """One variant: start-up, the seed workload, then the sweep. Returns (seed row, concurrency rows)."""
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+    model = build(args.config, variant, device, dtype)
+    engine = engine_for(model, compiled(model, variant), variant, device, dtype, args)
+    sizes = [s for s in (1, 2, 4, *range(8, 513, 8)) if s <= max(args.in_flight)]
+    engine.warm_up(freeze_gc=True, decode_sizes=sizes if variant == "full-and-piecewise-all" else ())
+    _sync(device)
+    startup = time.perf_counter() - _STARTED
+    cache = inductor_cache()
+    vocab, prompt = model.cfg.vocab, PROMPT if args.config != "tiny" else 24
+    engine.max_num_seqs = max(args.in_flight)
+    done = engine.run(requests(args.requests, prompt, OUTPUT if args.config != "tiny" else 8, args.rate, vocab),
+                      realtime=args.rate > 0)
+    _sync(device)
+    row = {"variant": variant, **latencies(done, engine._start), "startup_s": round(startup, 2),
+           "inductor_cache": cache, **graph_counts(), "requests": len(done)}
+    return row, sweep_levels(args, engine, variant, vocab)
+
+
+def sweep_levels(args, engine: toy.Engine, variant: str, vocab: int) -> list:
+    """The concurrency sweep: per level, a short wave first (what a level needs that start-up did not
+    make, a graph of its batch size say, is made there, as ``vllm bench serve``'s warm-up requests do),
+    then the timed wave."""
+    tiny = args.config == "tiny"
+    sweep = []
+    for level in args.in_flight:
+        engine.max_num_seqs = level
+        prompt, output = (8, 8) if tiny else (SWEEP_PROMPT, SWEEP_OUTPUT)
+        engine.run(requests(level, prompt, 4, 0.0, vocab, seed=1000 + level))
+        batch = requests(level, prompt, output, 0.0, vocab, seed=level)
+        began = time.perf_counter()
+        finished = engine.run(batch)
+        _sync(device)
+        seconds = time.perf_counter() - began
+        tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in finished]
+        sweep.append({"variant": variant, "in_flight": level, "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
+                      "tpot_median_ms": _ms(statistics.median(tpot))})
+        print(json.dumps(sweep[-1]), flush=True)
+    return sweep
+
+
+def agreement(args, variant: str) -> float:
+    """The share of requests whose fp32 tokens equal the eager engine's, on a short seeded trace."""
+    model = build(args.config, variant, args.device, torch.float32)
+    trace = dict(prompt=(32, 256), output=(8, 24)) if args.config != "tiny" else {}
+
+    def tokens(forward):
+        engine = engine_for(model, forward, variant, args.device, torch.float32, args)
+        return [r.output for r in engine.run(toy.seeded_trace(6, seed=1, vocab=model.cfg.vocab, **trace))]
+
+    expected = tokens(model)
+    got = tokens(compiled(model, variant))
+    return round(sum(a == b for a, b in zip(got, expected)) / len(expected), 3)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def child(args) -> None:
+    try:
+        row, sweep = serve(args, args.variant)
+        if args.variant in args.agreement_variants.split(","):
+            torch._dynamo.reset()
+            row["token_agreement"] = agreement(args, args.variant)
+    except Exception as exc:  # a variant that fails is a result: say how
+        row, sweep = {"variant": args.variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}, []
+    report({"row": row, "sweep": sweep})
+
+
+def figure(result: dict, png: pathlib.Path) -> None:
+    """Median TPOT per variant on the seed workload, the seed's vLLM numbers beside them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result.get("seed_workload", []) if "tpot_median_ms" in r]
+    names = [r["variant"] for r in rows] + ["vLLM piecewise (seed)", "vLLM full (seed)"]
+    values = [r["tpot_median_ms"] for r in rows] + [SEED_VLLM["piecewise"]["tpot_median_ms"],
+                                                     SEED_VLLM["full"]["tpot_median_ms"]]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1))
+    colors = ["tab:green" if n.startswith("full-and") else "tab:gray" if "seed" in n else "tab:blue" for n in names]
+    ax.barh(names, values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.2f}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("median TPOT (ms), lower is better")
+    ax.set_title("Seed workload: Qwen2.5-1.5B dims, 1,000-token prompts, 100 new tokens, 1 request/s")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--config", default="qwen2.5-1.5b", choices=sorted(CONFIGS))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--rate", type=float, default=1.0)
+    parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--agreement-variants", default="full-and-piecewise")
+    parser.add_argument("--child-timeout", type=int, default=240)
+    parser.add_argument("--figure", help="write the TPOT figure of --out's rows to this PNG and stop")
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
+    args = parser.parse_args()
+    if args.variant:
+        return child(args)
+    out = pathlib.Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if args.figure:
+        return figure(result, pathlib.Path(args.figure))
+    result.setdefault("seed_vllm", SEED_VLLM)
+    for variant in args.variants.split(","):
+        got = child_row([sys.executable, __file__, *sys.argv[1:], "--variant", variant], args.child_timeout)
+        row, sweep = (got["row"], got["sweep"]) if "row" in got else ({"variant": variant, **got}, [])
+        result["seed_workload"] = [r for r in result.get("seed_workload", []) if r["variant"] != variant] + [row]
+        result["concurrency"] = [r for r in result.get("concurrency", []) if r["variant"] != variant] + sweep
+        print(json.dumps(row), flush=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive a cut
+
+
+if __name__ == "__main__":
+    main()
