@@ -81,7 +81,15 @@ def compiled(model, variant: str):
     options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
     if variant == "full-and-piecewise-all":
         options["eager_capture_sizes"] = "all"
-    return torch.compile(model, backend="piecewise", options=options)
+    forward = torch.compile(model, backend="piecewise", options=options)
+    if variant == "piecewise-paged":  # the engine's decode path, but never a full graph
+        import piecewise_backend
+
+        def piecewise_only(*args):
+            with piecewise_backend.cudagraph_mode("piecewise"):  # inside the engine's own mode: it wins
+                return forward(*args)
+        return piecewise_only
+    return forward
 
 
 def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.Engine:
@@ -178,7 +186,7 @@ def sweep_levels(args, engine: toy.Engine, variant: str, vocab: int) -> list:
         batch = requests(level, prompt, output, 0.0, vocab, seed=level)
         began = time.perf_counter()
         finished = engine.run(batch)
-        _sync(device)
+        _sync(args.device)
         seconds = time.perf_counter() - began
         tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in finished]
         sweep.append({"variant": variant, "in_flight": level, "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
