@@ -362,6 +362,29 @@ def test_record_stamps_the_graph_kernels_rows(tmp_path):
     assert row["piecewise"] == {"k": [1.0, 2.5]} and len(row["code_hash"]) == 64
 
 
+def test_record_merges_seed_workload_rows_of_two_calls(tmp_path):
+    """``record.py --seed-workload``: a second call's variants join the first's (same code hash), each
+    row stamped; the seed's vLLM numbers travel with them."""
+    import json
+
+    def call(variants, previous):
+        seed = tmp_path / "seed.json"
+        seed.write_text(json.dumps({"seed_vllm": {"full": {"tpot_median_ms": 5.33}},
+                                    "seed_workload": [{"variant": v, "tpot_median_ms": 1.0} for v in variants],
+                                    "concurrency": [{"variant": v, "in_flight": 8, "out_tok_s": 9.0} for v in variants]}))
+        out = tmp_path / "h200.json"
+        _run_script(["record.py", "--seed-workload", str(seed), "--previous", str(previous), "--out", str(out)])
+        return out
+
+    first = call(["eager", "piecewise"], tmp_path / "none.json")
+    result = json.loads(call(["inductor"], first).read_text())
+    assert [r["variant"] for r in result["seed_workload"]] == ["eager", "piecewise", "inductor"]
+    assert {(r["variant"], r["in_flight"]) for r in result["concurrency"]} == {("eager", 8), ("piecewise", 8),
+                                                                               ("inductor", 8)}
+    assert all(len(r["code_hash"]) == 64 for r in result["seed_workload"] + result["concurrency"])
+    assert result["seed_vllm"]["full"]["tpot_median_ms"] == 5.33
+
+
 def test_suites_of_two_processes_merge_and_divide_by_the_other_processes_limit(tmp_path):
     """What ``run_device.sh suite-apart`` relies on: the limit and the floor recorded from one process,
     piecewise from another (``coresidence.py``: building the limit slows the piecewise step), both
