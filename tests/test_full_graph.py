@@ -16,7 +16,7 @@ from torch import nn
 import piecewise_backend
 from piecewise_backend.kinds import GraphMode, Miss
 from piecewise_backend.runtime import emulation
-from toys.engine import ATTENTION, TAGGED_ATTENTION, TINY, Engine, EngineModel, seeded_trace
+from toys.engine import ATTENTION, TAGGED_ATTENTION, TINY, Engine, EngineModel, Request, seeded_trace
 
 from .helpers import graphs_since, last_serial
 
@@ -35,11 +35,13 @@ def _engine_run(options: dict, op: str = ATTENTION):
     start = last_serial()
     model = EngineModel(dataclasses.replace(TINY, attention_op=op)).init_weights_().eval()
     expected, eager = _serve(model, None, "piecewise")
+    compiled = torch.compile(model, backend="piecewise", options=options)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got, engine = _serve(model, torch.compile(model, backend="piecewise", options=options), "full_and_piecewise")
+        got, engine = _serve(model, compiled, "full_and_piecewise")
     graphs = graphs_since(start)
-    return {"expected": expected, "got": got, "graphs": graphs, "steps": engine.steps,
+    return {"expected": expected, "got": got, "graphs": graphs, "steps": engine.steps, "model": model,
+            "compiled": compiled,
             "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)]}
 
 
@@ -94,6 +96,27 @@ def test_an_op_tagged_cudagraph_unsafe_keeps_every_call_piecewise_and_says_why()
     (reason, count), = graph.stats.full_fallbacks.items()
     assert TAGGED_ATTENTION in reason and "cudagraph_unsafe" in reason and count > 0
     assert "run piecewise" in graph.stats.summary()
+
+
+def test_a_later_run_whose_requests_reuse_ids_reads_its_own_pages(declared):
+    """Each wave's requests are numbered from 0 and finish together, so the next wave's first decode
+    batch has the last one's ids, with other pages: the block tables must be rewritten all the same."""
+    model = declared["model"]
+
+    def wave(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [Request(i, torch.randint(0, TINY.vocab, (6,), generator=g).tolist(), 5) for i in range(4)]
+
+    def waves(forward, mode):
+        engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=4, num_blocks=80, graph_mode=mode)
+        return [[r.output for r in engine.run(wave(seed))] for seed in (1, 2)]
+
+    def full_replays():  # every live graph's (a Dynamo reset by an earlier test means a fresh compile)
+        return sum(g.stats.full_replays for g in piecewise_backend.compiled_graphs())
+
+    replays = full_replays()
+    assert waves(declared["compiled"], "full_and_piecewise") == waves(None, "piecewise")
+    assert full_replays() > replays
 
 
 # -- a model whose op reads a persistent buffer, as an engine's attention does ----------------------------

@@ -320,7 +320,9 @@ class _DecodeBuffers:
     One ``[4, capacity]`` int64 buffer holds the step's token ids, positions, slots and lengths, so a
     step's metadata is one host-to-device copy; rows past the step are padding (slot -1, length 0),
     rewritten only as far as the previous step wrote. Block tables change only when the batch's
-    requests do (a request's pages are all given at admission), so they are written only then.
+    requests do (a request's pages are all given at admission), so they are written only then. Which
+    pages the tables hold is known by the block lists themselves (kept, so compared by identity), not
+    by request ids: a later ``run`` may number its requests from 0 again, with other pages.
     """
 
     def __init__(self, kv_caches: list, capacity: int, pages_per_request: int, device: torch.device):
@@ -329,7 +331,7 @@ class _DecodeBuffers:
         self.step[2].fill_(-1)
         self.tables = torch.zeros(capacity, pages_per_request, dtype=torch.int32, device=device)
         self._written = 0  # rows of ``step`` the last write reached
-        self._requests: tuple = ()  # the ids of the requests whose pages ``tables`` holds, in row order
+        self._pages: list = []  # the block lists whose pages ``tables`` holds, in row order
         self._tables_written = 0
 
     def write(self, ids: list, positions: list, slots: list, size: int, requests: list = ()):
@@ -342,18 +344,19 @@ class _DecodeBuffers:
                              [p + 1 for p in positions] + [0] * pad], dtype=torch.int64)
         self.step[:, :reach].copy_(host, non_blocking=True)
         self._written = size
-        if tuple(r.id for r in requests) != self._requests:
-            self._write_tables(list(requests))
+        pages = [r.blocks for r in requests]
+        if len(pages) != len(self._pages) or any(a is not b for a, b in zip(pages, self._pages)):
+            self._write_tables(pages)
         return self.step[0, :size], self.step[1, :size]
 
-    def _write_tables(self, requests: list) -> None:
+    def _write_tables(self, pages: list) -> None:
         width = self.tables.shape[1]
-        reach = max(len(requests), self._tables_written)
+        reach = max(len(pages), self._tables_written)
         host = torch.zeros(reach, width, dtype=torch.int32)
-        for row, request in enumerate(requests):
-            host[row, :len(request.blocks)] = torch.tensor(request.blocks, dtype=torch.int32)
+        for row, blocks in enumerate(pages):
+            host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.tables[:reach].copy_(host, non_blocking=True)
-        self._requests, self._tables_written = tuple(r.id for r in requests), len(requests)
+        self._pages, self._tables_written = pages, len(pages)
 
     def metadata(self, size: int) -> DecodeMetadata:
         return DecodeMetadata(self.kv_caches, self.step[2], self.tables, self.step[3], size)
