@@ -15,6 +15,8 @@ model is built (its weights' time left out):
 * ``warm_s``: the same in a new process with the cold run's caches; then, in that process,
   ``new_batch_s``: the first ``generate()`` at batch 4 (16 tokens), and ``new_length_s``: then at
   batch 4 with 48 tokens (``compiles_after_start``: Dynamo graphs compiled by those two);
+* ``no_inductor_cold_s``: fresh caches, the backend with ``compiler="eager"`` (the pieces' traced code,
+  captured the same way), the same start-up;
 * ``inductor_cold_s``: fresh caches, ``torch.compile`` default (Inductor), the same start-up;
 * ``--skip-inductor``: no ``inductor_cold_s`` (a start known to outlast ``--child-timeout``);
 * ``--specialize-float``: all three with ``torch._dynamo.config.specialize_float=True``.
@@ -61,7 +63,8 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     model = hf_generate.build_model(key, device, dtype)
     model.generation_config.disable_compile = True  # transformers' own compile of the static cache: not this
     dynamic = True if cache == "dynamic" else None
-    options = {"backend": "piecewise"} if backend == "piecewise" else {}
+    options = {"backend": "piecewise"} if backend == "piecewise" else \
+        {"backend": "piecewise", "options": {"compiler": "eager"}} if backend == "piecewise-eager" else {}
     model.forward = torch.compile(model.forward, dynamic=dynamic, **options)
     kwargs = {"cache_implementation": "static", "max_cache_len": MAX_CACHE} if cache == "static" else {}
     g = torch.Generator().manual_seed(0)
@@ -84,7 +87,7 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
         row["new_length_s"] = round(generate(*NEW_LENGTH), 2)
         row["compiles_after_start"] = counters["stats"]["unique_graphs"] - before
     row.update({name: round(value - compile_before[name], 2) for name, value in compile_totals().items()})
-    if backend == "piecewise":
+    if backend.startswith("piecewise"):
         stats = piecewise_backend.process_stats()
         graphs = piecewise_backend.compiled_graphs()
         row.update(capture_s=round(stats["capture_seconds"], 2),
@@ -126,18 +129,22 @@ def startup_row(args, key: str, cache: str) -> dict:
     with tempfile.TemporaryDirectory() as caches:
         cold = _child(args, key, cache, "piecewise", False, caches)
         warm = _child(args, key, cache, "piecewise", True, caches)
+    with tempfile.TemporaryDirectory() as caches:  # the pieces' traced code, no Inductor (compiler="eager")
+        no_inductor = _child(args, key, cache, "piecewise-eager", False, caches)
     inductor = {"error": "not run (--skip-inductor)"}
     if not args.skip_inductor:
         with tempfile.TemporaryDirectory() as caches:
             inductor = _child(args, key, cache, "inductor", False, caches)
-    errors = {part: r["error"] for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)) if "error" in r}
+    parts = (("cold", cold), ("warm", warm), ("no_inductor", no_inductor), ("inductor", inductor))
+    errors = {part: r["error"] for part, r in parts if "error" in r}
     row.update(cold_s=cold.get("start_s"), warm_s=warm.get("start_s"), new_batch_s=warm.get("new_batch_s"),
                new_length_s=warm.get("new_length_s"), inductor_cold_s=inductor.get("start_s"),
                compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
                backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"),
                backend_inductor_s_warm=warm.get("backend_inductor_s"), backend_inductor_s_cold=cold.get("backend_inductor_s"),
-               inductor_compiles=cold.get("inductor_compiles"))
-    for part, r in (("cold", cold), ("warm", warm), ("inductor", inductor)):  # where each start's time went
+               inductor_compiles=cold.get("inductor_compiles"), no_inductor_cold_s=no_inductor.get("start_s"),
+               backend_build_s_no_inductor=no_inductor.get("backend_build_s"))
+    for part, r in parts:  # where each start's time went
         row.update({f"{name}_{part}": r.get(name)
                     for name in ("dynamo_frames", "dynamo_traces", "dynamo_compile_s", "backend_call_s")})
     if errors:

@@ -59,7 +59,7 @@ class _Clock:
 def _instrument(graph, clock: _Clock) -> None:
     graphed = graph.device.type == "cuda"  # emulated graphs (CPU): replays stubbed out
     gm = graph.split_module  # the copy whose pieces the compiled graph calls
-    for spec in graph.split.pieces:
+    for spec in graph.pieces:
         if spec.kind != COMPUTE:
             gm.__dict__[spec.name] = clock.wrap("eager pieces", gm.__dict__[spec.name])
     cls = type(graph)  # Python looks __call__ up on the type
@@ -120,7 +120,7 @@ def step_breakdown(args, device: str) -> dict:
     return {"model": args.model, "batch": args.batch, "device": device, "skip_guards": args.skip_guards,
             "graph_attention": not args.eager_attention, "pieces": graph.stats.num_pieces,
             "replays_gpu_ms": replays_gpu_ms,
-            "graph_inputs": len(graph.plan.inputs.fake_inputs), "us_per_step": per_step}
+            "graph_inputs": len(graph.plan.inputs.specs), "us_per_step": per_step}
 
 
 def _replays_gpu_ms(graph, repeats: int = 20) -> float:

@@ -113,6 +113,7 @@ def main() -> None:
     parser.add_argument("--entry", help="dynamo_entry.py's JSON")
     parser.add_argument("--hf-startup", help="hf_startup.py's JSON")
     parser.add_argument("--seed-workload", help="seed_workload.py's JSON (seed_workload and concurrency rows)")
+    parser.add_argument("--start-up", help="start_up.py's JSON (the engine's start-up routes, into \"startup\")")
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
     args = parser.parse_args()
@@ -181,6 +182,10 @@ def main() -> None:
         result["concurrency"] = merge_rows(result.get("concurrency", []), seed.get("concurrency", []),
                                            ("variant", "in_flight"), digest)
         result["seed_vllm"] = seed["seed_vllm"]
+    if args.start_up:
+        rows = json.loads(pathlib.Path(args.start_up).read_text())["startup"]
+        rows = [{"model": "engine, Qwen2.5-1.5B dims", "start": "process", **r} for r in rows]
+        result["startup"] = merge_rows(result.get("startup", []), rows, ("model", "variant", "start"), digest)
     if args.entry:
         result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
     if args.kernel:

@@ -27,6 +27,8 @@
 #   bash benchmarks/run_device.sh seed-workload [ARGS...]  # seed_workload.py ARGS: the seed's workload and the
 #                                                   #   concurrency sweep, per variant (breakable-cuda-graphs
 #                                                   #   needs its wheel carried in .whl/: installed here)
+#   bash benchmarks/run_device.sh start-up [ARGS...]  # start_up.py ARGS: the engine's start-up routes (eager,
+#                                                   #   Inductor, no Inductor, saved/loaded, serve-first), each cold
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
 #   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
 #   bash benchmarks/run_device.sh tp-tests          # two GPUs: tests/test_tensor_parallel.py (torchrun + NCCL too)
@@ -135,6 +137,11 @@ case "$part" in
       | tee "$OUT/seed_workload.log" | grep '^{"variant'
     record --seed-workload "$OUT/seed_workload.json"
     python benchmarks/seed_workload.py --out "$RECORDED" --figure "$OUT/seed_tpot.png" ;;
+  start-up)
+    ls .whl/breakable_cuda_graphs-*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps .whl/breakable_cuda_graphs-*.whl
+    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/start_up.py --out "$OUT/start_up.json" "$@" 2>&1 \
+      | tee "$OUT/start_up.log" | grep '^{"variant'
+    record --start-up "$OUT/start_up.json" ;;
   hf-startup)
     timeout "${SUITE_TIMEOUT:-560}" python benchmarks/hf_startup.py --out "$OUT/hf_startup.json" "$@" 2>&1 \
       | tee "$OUT/hf_startup.log" | grep '^{'
@@ -169,5 +176,5 @@ case "$part" in
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   ab)
     python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
-  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, seed-workload, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
+  *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, seed-workload, start-up, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
 esac

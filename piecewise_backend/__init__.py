@@ -6,7 +6,8 @@ Inductor, and captures each compiled piece lazily as one CUDA graph per shape.
 The name is found through the ``torch_dynamo_backends`` entry point once the package is installed;
 ``backend=piecewise_backend.piecewise`` works too. ``with cudagraph_mode("full"):`` around a call
 captures it whole (a serving engine's decode step); ``piecewise_backend.ops`` holds the paged decode
-attention that makes such a step graph-safe.
+attention that makes such a step graph-safe. ``save(model.forward, example_inputs, path)`` and
+``load(path, model.forward)`` start a later process with no trace and no compile (``persist/``).
 """
 
 from .backend import piecewise
@@ -15,6 +16,7 @@ from .kinds import CaptureHow, GraphMode, Miss, PieceKind
 from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .observe.reports import capture_table, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
+from .persist.warm_start import load, save
 from .plan.emulation import emulated_graphs
 from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
 from .runtime.compiled_graph import CompiledGraph
@@ -53,4 +55,6 @@ __all__ = [
     "emulated_graphs",
     "cudagraph_mode",
     "GraphMode",
+    "save",
+    "load",
 ]

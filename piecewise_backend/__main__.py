@@ -99,7 +99,7 @@ def _show_pieces(graph) -> None:
     print("\npieces of the decode graph, in order:")
     for p in graph.pieces:
         if p.kind == PieceKind.COMPUTE:
-            first = graph.compiled[p.name].shared_with
+            first = graph.plan.report.compiled_as[p.name]
             what = "compiled" if first == p.name else f"reuses {first}'s code"
         else:
             what = ", ".join(p.split_ops) or "eager: " + "; ".join(p.eager_reasons[:2])

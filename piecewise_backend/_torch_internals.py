@@ -138,6 +138,7 @@ def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> tu
         if previous is not None:
             previous(code)
 
+    single_output = not isinstance(next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0], (tuple, list))
     GraphLowering.save_output_code = save_output_code
     try:
         with unset_fake_temporarily(), torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
@@ -146,8 +147,20 @@ def inductor_compile(gm: torch.fx.GraphModule, fake_args: list, fake_mode) -> tu
         GraphLowering.save_output_code = previous
     # compile_fx on a GraphModule returns AOTAutograd's ``forward(*args)``, which copies the
     # ``_boxed_call`` flag of what it wraps without being boxed itself (see the "deeply wrong"
-    # comment in torch/_functorch/aot_autograd.py): call it with positional args.
+    # comment in torch/_functorch/aot_autograd.py): call it with positional args. What it returns
+    # for one output comes back from a saved artifact as a list of one: remember which it was.
+    try:
+        compiled.piecewise_single_output = single_output
+    except AttributeError:  # pragma: no cover - not a function: such code is not saved (persist/)
+        pass
     return compiled, (codes[-1] if codes else None)
+
+
+def symbol_hints(fake_mode) -> dict:
+    """Each backed symbol's value in the call Dynamo traced (``backed_var_to_val`` on 2.11+,
+    ``var_to_val`` before it; unbacked symbols have none)."""
+    shape_env = fake_mode.shape_env
+    return dict(shape_env.backed_var_to_val if hasattr(shape_env, "backed_var_to_val") else shape_env.var_to_val)
 
 
 def non_owning_alias(t: torch.Tensor, size: Sequence[int] | None = None) -> torch.Tensor:

@@ -33,10 +33,13 @@ from .config import PiecewiseConfig
 from .fx import graph_facts as facts
 from .op_names import GRAPH_ATTENTION_OP
 from .plan.making import graphs_disabled_reason, make_plan
-from .plan.types import GraphInputs, GraphPlan
+from .plan.inputs import GraphInputs
+from .plan.types import GraphPlan, TensorSpec
 from .registry import register
 from .rewrite import kv_written_inputs, rewrite_decode
 from .rewrite.graph_attention import mark_attention_paths
+from .persist.artifact import SaveableGraph
+from .persist.compile_behind import CompileBehind, job_of
 from .runtime.compiled_graph import CompiledGraph
 from .split.in_place_writes import written_in_place
 from .split.splitting import SplitGraph, split_graph
@@ -70,11 +73,15 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
         inputs = _rewrite(gm, example_inputs, config)
         split = _split(inputs, config)
-        compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config))
+        compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config),
+                                 inductor=config.compiler == "inductor")
         run = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs, compiler)
         plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
+        compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
         del run  # fake values of every intermediate: the plan keeps none
-    graph = register(CompiledGraph(plan, config))
+    graph = register(SaveableGraph(plan, config, compiled))
+    if config.compiler == "eager_then_inductor" and plan.pieces and plan.graphs_disabled_reason is None:
+        CompileBehind(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)), _attention_ops(config)).start(graph.code_switch.post, plan, str(graph.serial))
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph
@@ -93,7 +100,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     if fake_mode is None or any(facts.example_value(n) is None for n in placeholders):
         raise RuntimeError("piecewise: the graph has no fake example values; it must come from "
                            "torch.compile (Dynamo), not be called directly on an FX graph.")
-    if any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
+    if config.compiler == "inductor" and any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
         _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
     if config.capture_kv_writes:  # inputs the graph may write itself are used in place (in_place_writes.py,
@@ -134,8 +141,9 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 
 def _log_built(graph: CompiledGraph, plan: GraphPlan, config: PiecewiseConfig) -> None:
-    stats, pieces = graph.stats, plan.split.pieces
-    devices = plan.inputs.devices
+    stats, pieces = graph.stats, plan.piece_specs
+    devices = {v.device.type for i, v in enumerate(plan.inputs.specs)
+               if isinstance(v, TensorSpec) and i not in plan.inputs.python_scalars}
     if plan.graphs_disabled_reason is not None and "cuda" in devices and len(devices) > 1:
         # a CUDA model with a stray input elsewhere (a CPU counter in a cache object): the user did not
         # ask for eager, so say it loudly (a CPU-only model is un-graphed by nature: no warning)

@@ -15,6 +15,7 @@ from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
 CAPTURE_SCHEMES = ("default", "powers_of_two")
 SDPA_BACKENDS = ("flash", "efficient", "math", "cudnn")  # names for eager_sdpa_backends
 SPLIT_MODES = ("piecewise", "full")  # options["mode"]: where the graph is split
+COMPILERS = ("inductor", "eager", "eager_then_inductor")  # options["compiler"]: what runs a compute piece
 
 
 def scheme_sizes(scheme: str, max_size: int) -> tuple[int, ...]:
@@ -101,6 +102,13 @@ class PiecewiseConfig:
             attention, so a decode step is one graph. On by default since it won at every batch
             on the H200; ``False`` keeps decode attention eager between the pieces (SDPA's own
             kernels), as for prefill and any attention it does not match.
+        compiler: what a compute piece runs, as ``torch.compile(backend=...)`` names it.
+            ``"inductor"``: Inductor's code (the fastest steps; compiling is most of a cold start).
+            ``"eager"``: the piece's FX code as Dynamo traced it, no compiler: start-up is Dynamo's
+            trace, the split and the captures; captured, padded and replayed exactly the same.
+            ``"eager_then_inductor"``: serve on the FX code at once while Inductor compiles the
+            pieces on a background thread; each graph switches to the compiled code between two
+            calls, all its pieces at once, and captures again (``runtime/compile_behind.py``).
         eager_sdpa_backends: the SDPA kernels the eager attention pieces may use while the graph
             runs (``runtime/sdpa_backends.py``). ``"auto"``: cuDNN attention off when an eager SDPA
             call's KV length changes between calls (cuDNN re-plans every new shape, ~9 ms of host
@@ -129,6 +137,7 @@ class PiecewiseConfig:
     capture_kv_writes: bool = True
     graph_attention: bool = True
     eager_sdpa_backends: Any = "auto"
+    compiler: str = "inductor"
 
     @property
     def all_splitting_ops(self) -> frozenset[str]:
@@ -177,6 +186,9 @@ class PiecewiseConfig:
         if options.get("mode", "piecewise") not in SPLIT_MODES:
             raise ValueError(f"piecewise: option 'mode' must be one of {', '.join(map(repr, SPLIT_MODES))}, "
                              f"got {options['mode']!r}.")
+        if options.get("compiler", "inductor") not in COMPILERS:
+            raise ValueError(f"piecewise: option 'compiler' must be one of {', '.join(map(repr, COMPILERS))}, "
+                             f"got {options['compiler']!r}.")
         for key in ("splitting_ops", "extra_splitting_ops", "row_independent_ops"):
             if key in options:
                 value = options[key]

@@ -7,6 +7,7 @@ messages read the same as before, while code names the member and a typo is an A
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 
@@ -56,3 +57,17 @@ class GraphMode(_Text):
     PIECEWISE = "piecewise"  # compute pieces replayed from graphs, splitting ops eager between them
     FULL = "full"  # the whole call, splitting ops included, one CUDA graph per size (the caller vouches)
     NONE = "none"  # compiled, un-graphed (a profiling run, a step the caller wants eager)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceSpec:
+    """One piece of the split graph, in execution order (``split/splitting.py`` makes them; the plan
+    and the reports read them)."""
+
+    name: str  # submodule name in the split graph, e.g. "submod_3"
+    index: int
+    kind: PieceKind  # compute, split (holds a splitting op) or eager (only nodes that must run eagerly)
+    split_ops: tuple[str, ...]  # splitting ops it holds
+    eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
+    num_ops: int
+    writes_inputs: tuple[str, ...] = ()  # graph inputs (parameters/buffers) a compute piece writes

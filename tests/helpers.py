@@ -65,6 +65,12 @@ def assert_close_steps(actual, expected, atol=1e-4, rtol=1e-4):
         torch.testing.assert_close(a, e, atol=atol, rtol=rtol, msg=lambda m: f"step {i}: {m}")
 
 
+def program_nodes(graph) -> list:
+    """Every node of a compiled graph's program: its split graph's and each piece's (as traced)."""
+    module = graph.plan.program.module
+    return [*module.graph.nodes, *(n for m in module.children() for n in m.graph.nodes)]
+
+
 def graphs_since(serial: int):
     """Graphs compiled after the graph numbered ``serial`` (0: all), oldest first."""
     import piecewise_backend

@@ -37,7 +37,7 @@ def test_llama_compiles_each_distinct_piece_once(llama_run):
         # first, middle (shared by the other layers) and last piece; the prefill graph's pieces may
         # coincide further
         assert 1 <= g.stats.inductor_compiles <= 3, g.stats.summary()
-        shared = [c.shared_with for c in g.compiled.values()]
+        shared = list(g.plan.report.compiled_as.values())
         assert len(set(shared)) == g.stats.inductor_compiles
 
 

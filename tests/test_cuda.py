@@ -39,7 +39,7 @@ def test_graphed_decode_matches_eager_at_every_batch(cuda_run):
 def _decode_graphs(start: int = 0):
     """Graphs dynamic in the position (Dynamo makes one static-batch graph first, then a dynamic one),
     made after graph serial ``start`` (an earlier test's graphs may live until the collector runs)."""
-    graphs = [g for g in graphs_since(start) if g.split.step_symbols and g.stats.captures]
+    graphs = [g for g in graphs_since(start) if g.plan.report.step_symbols and g.stats.captures]
     assert graphs, [g.stats.summary() for g in piecewise_backend.compiled_graphs()]
     return graphs
 

@@ -147,7 +147,7 @@ def test_an_eight_layer_static_cache_decode_step_is_one_graph_compiled_layer_by_
     _assert_static_decode_is_one_graph(start)
     decode = busiest_graph(start)
     assert decode.stats.inductor_compiles == 3, decode.stats.summary()  # first, middle (x7), last: layer_chain.py
-    assert decode.compiled[decode.plan.split.pieces[0].name].inductor_code.count("# ---- ") == 3
+    assert decode.plan.report.inductor_code[decode.pieces[0].name].count("# ---- ") == 3
 
 
 @pytest.mark.usefixtures("emulated_graphs")

@@ -17,7 +17,7 @@ from piecewise_backend.kinds import PieceKind
 from toys.idioms import WholeCacheLlama
 from toys.models import ToyConfig, init_weights_
 
-from .helpers import busiest_graph, last_serial
+from .helpers import busiest_graph, last_serial, program_nodes
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 
@@ -66,7 +66,7 @@ def _assert_writes_unmasked(graph):
     """Caches of fixed sizes (no dynamic batch): the KV writes put the new values as they are, no
     mask and no gather of the old ones (one kernel per write instead of two on a GPU), and nothing
     may run the graph with its writes turned off."""
-    nodes = list(graph.plan.inputs.graph_module.graph.nodes)
+    nodes = program_nodes(graph)
     puts = [n for n in nodes if n.target == "index_put_"]
     assert len(puts) == 2 * CFG.layers, [n.format_node() for n in puts]
     assert not [n for n in nodes if n.target is torch.where], "a masked write in a graph of fixed sizes"

@@ -15,14 +15,19 @@ from .helpers import graphs_since, last_serial
 
 def _compile_counting_fake_runs(model, monkeypatch, *inputs):
     """``model`` compiled and called once on ``inputs``; its graph, and how often each module ran on fakes."""
-    runs = collections.Counter()
-    real = piece_compiler.run_on_fakes
+    runs, names = collections.Counter(), {}
+    real, real_compile = piece_compiler.run_on_fakes, piece_compiler.PieceCompiler.compile
 
     def counted(gm, fake_args, fake_mode):
-        runs[id(gm)] += 1
+        runs[names.get(id(gm), id(gm))] += 1
         return real(gm, fake_args, fake_mode)
 
+    def named(self, name, gm, *args, **kwargs):
+        names[id(gm)] = name
+        return real_compile(self, name, gm, *args, **kwargs)
+
     monkeypatch.setattr(piece_compiler, "run_on_fakes", counted)
+    monkeypatch.setattr(piece_compiler.PieceCompiler, "compile", named)
     torch._dynamo.reset()
     start = last_serial()
     compiled = torch.compile(model, backend="piecewise")
@@ -36,15 +41,15 @@ def test_only_the_first_piece_of_each_code_runs_on_fakes_and_the_rest_match_eage
     model = init_weights_(ToyLlama(ToyConfig(layers=4))).eval()
     ids = torch.randint(0, ToyConfig().vocab, (2, 5))
     graph, runs = _compile_counting_fake_runs(model, monkeypatch, ids, 0)
-    split = graph.plan.split.graph_module
-    compiled = graph.plan.compiled
-    firsts = {name for name, piece in compiled.items() if piece.shared_with == name}
-    assert len(firsts) < len(compiled), "the middle layers' pieces share code"
-    for name in compiled:
-        assert runs[id(getattr(split, name))] == (name in firsts), (name, sorted(firsts))
-    # the eager pieces (attention) run as before: their outputs are the next pieces' inputs
-    eager = [s.name for s in graph.plan.split.pieces if s.name not in compiled]
-    assert eager and all(runs[id(getattr(split, name))] == 1 for name in eager)
+    program = graph.plan.program.module
+    compiled_as = graph.plan.report.compiled_as
+    firsts = {name for name, first in compiled_as.items() if first == name}
+    assert len(firsts) < len(compiled_as), "the middle layers' pieces share code"
+    for name in compiled_as:
+        assert runs[name] == (name in firsts), (name, sorted(firsts))
+    # the eager pieces (attention) run as before (the program keeps them): their outputs are the next pieces' inputs
+    eager = [s.name for s in graph.pieces if s.name not in compiled_as]
+    assert eager and all(runs[id(getattr(program, name))] == 1 for name in eager)
 
 
 class NoisyLayers(torch.nn.Module):
@@ -65,12 +70,11 @@ class NoisyLayers(torch.nn.Module):
 def test_a_piece_sharing_code_with_one_that_draws_random_numbers_draws_them_too(monkeypatch):
     torch.manual_seed(0)
     graph, runs = _compile_counting_fake_runs(NoisyLayers().eval(), monkeypatch, torch.randn(3, 4, 16))
-    split, compiled = graph.plan.split.graph_module, graph.plan.compiled
-    shared = [name for name, piece in compiled.items() if piece.shared_with != name]
-    assert shared and not any(runs[id(getattr(split, name))] for name in shared)
-    for name, piece in compiled.items():
-        calls_randn = any(n.target is torch.randn_like for n in getattr(split, name).graph.nodes)
-        assert piece.draws_random is calls_randn, name
+    compiled_as = graph.plan.report.compiled_as
+    shared = [name for name, first in compiled_as.items() if first != name]
+    assert shared and not any(runs[name] for name in shared)
+    for name in compiled_as:
+        calls_randn = any(n.target is torch.randn_like for n in graph.plan.program.piece(name).graph.nodes)
         assert graph.plan.pieces[name].draws_random is calls_randn, name
 
 

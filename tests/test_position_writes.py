@@ -15,7 +15,7 @@ from piecewise_backend.split.splitting import COMPUTE
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
-    graphs_since
+    graphs_since, program_nodes
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
@@ -45,11 +45,11 @@ def padded_decode():
 def test_writes_move_into_compute_pieces(padded_decode):
     graph = _decode_graph(padded_decode[2])
     assert graph.step_scalars is not None
-    eager_reasons = [r for p in graph.split.pieces for r in p.eager_reasons]
+    eager_reasons = [r for p in graph.pieces for r in p.eager_reasons]
     assert not any("writes graph input" in r for r in eager_reasons), eager_reasons
-    written = {w for p in graph.split.pieces if p.kind == COMPUTE for w in p.writes_inputs}
+    written = {w for p in graph.pieces if p.kind == COMPUTE for w in p.writes_inputs}
     assert {w for w in written if "cache" in w} and len(written) == 2 * CFG.layers
-    assert PLACEHOLDER in {n.name for n in graph.split.graph_module.graph.nodes if n.op == "placeholder"}
+    assert PLACEHOLDER in graph.plan.inputs.names
 
 
 def test_every_layers_writes_share_one_set_of_index_tensors(padded_decode):
@@ -58,7 +58,7 @@ def test_every_layers_writes_share_one_set_of_index_tensors(padded_decode):
     import operator
 
     graph = _decode_graph(padded_decode[2])
-    nodes = list(graph.plan.inputs.graph_module.graph.nodes)
+    nodes = program_nodes(graph)
     writes = [n for n in nodes if n.target == "index_put_"]
     masks = [n for n in nodes if n.target is operator.ne]
     assert len(writes) == 2 * CFG.layers  # the k and v caches, all of one shape
@@ -112,7 +112,7 @@ def test_off_keeps_the_writes_eager():
     assert_results_close(results)
     graph = _decode_graph(start)
     assert graph.step_scalars is None
-    assert any("writes graph input" in r for p in graph.split.pieces for r in p.eager_reasons)
+    assert any("writes graph input" in r for p in graph.pieces for r in p.eager_reasons)
 
 
 class WrittenTwice(torch.nn.Module):

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 def _eager_code(start) -> str:
     graph = busiest_graph(start)
-    gm = graph.split.graph_module
-    return "\n".join(gm._modules[p.name].code for p in graph.split.pieces if p.kind != COMPUTE)
+    gm = graph.plan.program.module
+    return "\n".join(gm._modules[p.name].code for p in graph.pieces if p.kind != COMPUTE)
 
 
 def test_attention_reads_its_cache_prefix_through_as_strided():
@@ -79,8 +79,8 @@ def test_a_stop_past_the_end_is_clamped_as_indexing_clamps_it():
     # rewritten attention piece itself with the last position, as a graph without that guard would
     model, start = _compile_and_run(PeekPastTheEnd, range(LENGTH))
     graph = busiest_graph(start)
-    gm = graph.split.graph_module
-    piece = next(gm._modules[p.name] for p in graph.split.pieces
+    gm = graph.plan.program.module
+    piece = next(gm._modules[p.name] for p in graph.pieces
                  if p.kind != COMPUTE and "torch.as_strided(" in gm._modules[p.name].code)
     inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
     assert len(inputs) == 3, piece.code  # the position, the cache, the query
@@ -108,4 +108,4 @@ def test_views_inside_compute_pieces_are_left_to_inductor():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2), static_cache=True))
     graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1
-    assert not any("as_strided" in m.code for m in graph.split.graph_module._modules.values())
+    assert not any("as_strided" in m.code for m in graph.plan.program.module._modules.values())

@@ -230,6 +230,9 @@ def _op(name: str):
     return getattr(getattr(torch.ops, namespace), op_name)
 
 
+_OPS = {name: _op(name) for name in (ATTENTION, TAGGED_ATTENTION)}
+
+
 # -- the model -------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
@@ -260,7 +263,10 @@ class Layer(nn.Module):
         self.o = nn.Linear(self.q_size, cfg.hidden, bias=False)
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=False)
         self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
-        self.attention = _op(cfg.attention_op)
+        # the op's name, not the op: a module attribute is part of what Dynamo guards and torch's AOT
+        # route pickles with them, and an op object does not pickle (a global lookup is not guarded);
+        # ``attention``: a function to call instead (a peer's hook, ``benchmarks/peers.py``)
+        self.attention_op, self.attention = cfg.attention_op, None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
@@ -268,7 +274,7 @@ class Layer(nn.Module):
         q = _rotate(q.view(-1, cfg.heads, cfg.head_dim), cos, sin)
         k = _rotate(k.view(-1, cfg.kv_heads, cfg.head_dim), cos, sin)
         out = torch.empty_like(q)
-        self.attention(q, k, v.view(-1, cfg.kv_heads, cfg.head_dim), out, self.index)
+        (self.attention or _OPS[self.attention_op])(q, k, v.view(-1, cfg.kv_heads, cfg.head_dim), out, self.index)
         h = h + self.o(out.view(-1, self.q_size))
         gate, up = self.gate_up(self.post_norm(h)).chunk(2, -1)
         return h + self.down(F.silu(gate) * up)
@@ -397,7 +403,9 @@ class Engine:
         max_num_tokens: the token budget of a step (decode tokens first, prefill chunks fill the rest).
         max_num_seqs: requests running at once.
         num_blocks: KV-cache pages (of ``cfg.block_size`` tokens each), per layer.
-        mark_dynamic: mark the token count dynamic at every step (``torch._dynamo.mark_dynamic``).
+        mark_dynamic: mark the token count dynamic at every step (``torch._dynamo.mark_dynamic``);
+            ``"unbacked"``: ``mark_unbacked`` instead, so that a step of one token takes the same graph
+            (Dynamo specialises a backed size of 1: a second trace); ``False``: no mark.
         graph_mode: ``"full_and_piecewise"`` (vLLM's default): a step of decode tokens only takes the
             graph-safe path (:class:`DecodeMetadata`) under ``cudagraph_mode("full")``, one graph of
             the whole step; other steps run piecewise. ``"piecewise"``: every step takes the host
@@ -406,7 +414,7 @@ class Engine:
 
     def __init__(self, model: EngineModel, forward: Callable | None = None, *, max_num_tokens: int = 64,
                  max_num_seqs: int = 8, num_blocks: int = 64, device="cpu", dtype=torch.float32,
-                 mark_dynamic: bool = True, graph_mode: str = "full_and_piecewise"):
+                 mark_dynamic: bool | str = True, graph_mode: str = "full_and_piecewise"):
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"Engine: graph_mode={graph_mode!r}; use one of {GRAPH_MODES}")
         cfg = model.cfg
@@ -451,6 +459,25 @@ class Engine:
         if freeze_gc:
             gc.collect()
             gc.freeze()
+
+    def example_calls(self) -> list:
+        """The calls Dynamo makes a graph of, one each (``piecewise_backend.save``'s examples): a step
+        at the token budget, its size dynamic, and one of a single token (Dynamo specialises a size
+        of 1; with ``mark_dynamic="unbacked"``, the first alone). Serve on what was saved from them with
+        ``mark_dynamic=False``."""
+        def call(n: int, dynamic: bool):
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            positions = torch.arange(n, device=self.device)
+            if dynamic:
+                self._mark(ids, positions)
+            return (ids, positions)
+        first = call(self.max_num_tokens, True)
+        return [first] if self.mark_dynamic == "unbacked" else [first, call(1, False)]
+
+    def _mark(self, *tensors) -> None:
+        mark = torch._dynamo.decorators.mark_unbacked if self.mark_dynamic == "unbacked" else torch._dynamo.mark_dynamic
+        for t in tensors:
+            mark(t, 0)
 
     def run(self, requests: list[Request], realtime: bool = False) -> list[Request]:
         """Serve ``requests`` to the end; ``realtime``: hold each back until its arrival time."""
@@ -543,8 +570,7 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         if self.mark_dynamic:  # as vLLM does: one graph for every token count, not one per first size
-            torch._dynamo.mark_dynamic(ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
+            self._mark(ids, positions)
         mode = "full" if isinstance(meta, DecodeMetadata) else "piecewise"
         with forward_context(meta), piecewise_backend.cudagraph_mode(mode), torch.inference_mode():
             return self.forward(ids, positions)

@@ -34,7 +34,7 @@ MIN_ATTENTION_CALLS = 3  # fewer: first, middle and last sub-pieces all differ, 
 MAX_DISTINCT_SHARE = 0.5  # cut only if the distinct sub-pieces hold at most this share of the ops
 
 
-class _Compiled(torch.nn.Module):
+class CompiledSubPiece(torch.nn.Module):
     """A compiled sub-piece in the chain's module tree (positional args, as Inductor's callables take)."""
 
     def __init__(self, fn):
@@ -125,7 +125,7 @@ def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], 
     return (chain, compute, readers) if _pays(chain, compute, code_key) else None
 
 
-class _Chain(torch.nn.Module):
+class SymbolFedChain(torch.nn.Module):
     """The chain, handed the lifted symbols' values (:func:`read_symbols`) after the piece's inputs."""
 
     def __init__(self, chain: torch.fx.GraphModule, readers: list[SymbolReader]):
@@ -142,6 +142,6 @@ def install(chain: torch.fx.GraphModule, compiled: dict, readers: list[SymbolRea
     (``compiled``: name -> callable; the attention sub-pieces stay FX code, which runs their one op),
     fed the lifted symbols where there are any."""
     for name, fn in compiled.items():
-        setattr(chain, name, _Compiled(fn))
+        setattr(chain, name, CompiledSubPiece(fn))
     _torch_internals.generate_code(chain)  # its attention sub-pieces ran on fakes: theirs exists
-    return _Chain(chain, readers) if readers else chain
+    return SymbolFedChain(chain, readers) if readers else chain

@@ -162,10 +162,13 @@ class _SharedCode:
 class PieceCompiler:
     """Compiles pieces, reusing the compiled code of structurally identical ones."""
 
-    def __init__(self, fake_mode, step_symbols: frozenset, attention_ops: frozenset = frozenset()):
+    def __init__(self, fake_mode, step_symbols: frozenset, attention_ops: frozenset = frozenset(),
+                 inductor: bool = True):
         self.fake_mode = fake_mode
         self.step_symbols = step_symbols
-        self.attention_ops = attention_ops  # where a piece holding many layers is cut (layer_chain.py)
+        self.inductor = inductor  # False: a piece runs its FX code as it is (``compiler="eager"``)
+        # where a piece holding many layers is cut (layer_chain.py): only worth it to compile layers once
+        self.attention_ops = attention_ops if inductor else frozenset()
         self._by_key: dict[str, _SharedCode] = {}
         self.inductor_compiles = 0
         self.inductor_seconds = 0.0
@@ -192,13 +195,17 @@ class PieceCompiler:
                 out, _ = run_on_fakes(gm, fake_args, self.fake_mode)  # outputs may be views of the inputs it was given
         else:
             out, draws_random = run_on_fakes(gm, fake_args, self.fake_mode)  # before Inductor rewrites ``gm``
-            start = time.perf_counter()
-            fn, code = _torch_internals.inductor_compile(gm, sanitized, self.fake_mode)
-            self.inductor_seconds += time.perf_counter() - start
-            self.inductor_compiles += 1
+            fn, code = self._compile(gm, sanitized) if self.inductor else (eager, None)
         reusable = out if _fresh_outputs_suffice(out, fake_args) else None
         self._by_key[key] = _SharedCode(fn, name, code, draws_random, reusable)
         return CompiledPiece(fn, sanitized, key, name, code, draws_random, eager), out
+
+    def _compile(self, gm: torch.fx.GraphModule, fake_args: list) -> tuple[Callable, str | None]:
+        start = time.perf_counter()
+        fn, code = _torch_internals.inductor_compile(gm, fake_args, self.fake_mode)
+        self.inductor_seconds += time.perf_counter() - start
+        self.inductor_compiles += 1
+        return fn, code
 
     def _compile_chain(self, name: str, gm: torch.fx.GraphModule, fake_args: list
                        ) -> tuple[Callable, str | None, Any, bool] | None:

@@ -58,17 +58,16 @@ class SplitReport:
         plan = graph.plan
         self.pieces: list[PieceInfo] = []
         for spec in graph.pieces:
-            compiled = graph.compiled.get(spec.name)
             runner = graph.runners.get(spec.name)
             inputs, output = plan.report.signatures.get(spec.name, ((), ""))
             self.pieces.append(PieceInfo(
                 index=spec.index, name=spec.name, kind=spec.kind, num_ops=spec.num_ops, split_ops=spec.split_ops,
                 why_eager=spec.eager_reasons, inputs=inputs, output=output,
                 graphed=runner is not None and graph.graphs_disabled_reason is None,
-                compiled_as=compiled.shared_with if compiled else None,
+                compiled_as=plan.report.compiled_as.get(spec.name),
                 captured=tuple(runner.captures) if runner else (),
                 code=plan.report.code[spec.name],
-                inductor_code=compiled.inductor_code if compiled else None))
+                inductor_code=plan.report.inductor_code.get(spec.name)))
 
     # -- access -----------------------------------------------------------------------------------
 

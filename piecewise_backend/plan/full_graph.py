@@ -25,7 +25,8 @@ from ..op_names import is_random_op
 from ..split.splitting import SplitGraph
 from .padding import piece_padding
 from .rows.row_independence import analyse
-from .types import FullGraphPlan, GraphInputs, ShapeKey
+from .inputs import GraphInputs
+from .types import FullGraphPlan, ShapeKey
 
 _WHOLE = "the whole graph"
 

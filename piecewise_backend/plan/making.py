@@ -28,7 +28,8 @@ from .padding import plan_padding
 from .sdpa_choice import choose as choose_sdpa
 from .signatures import piece_signatures
 from .staging import stage_keys
-from .types import GraphInputs, GraphPlan, PaddingPlan, PiecePlan, PlanReport, ShapeKey, graph_device
+from .inputs import GraphInputs
+from .types import FxProgram, GraphPlan, PaddingPlan, PiecePlan, PlanReport, ShapeKey, describe, graph_device
 
 
 def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset(),
@@ -139,12 +140,12 @@ def _piece_plans(split: SplitGraph, compiled: Mapping, padding: PaddingPlan, sta
                   if isinstance(a, torch.fx.Node) and a.op == "placeholder"}
         piece = compiled[spec.name]
         plans[spec.name] = PiecePlan(
-            spec.name, piece.fn, piece.fake_args,
+            spec.name, describe(tuple(piece.fake_args)),
             static_args=frozenset(i for i, name in inputs.items() if name in static_names),
             escaping_outputs=frozenset(escaping.get(spec.name, ())),
             padding=padding.per_piece.get(spec.name), stage_keys=staging[spec.name],
             restore_after_warmup=frozenset(i for i, name in inputs.items() if name in unmasked[spec.name]),
-            draws_random=piece.draws_random, eager_fn=piece.eager)
+            draws_random=piece.draws_random)
     return plans
 
 
@@ -206,6 +207,23 @@ def _piece_code(split: SplitGraph) -> dict[str, str]:
     return {spec.name: getattr(split.graph_module, spec.name).code.strip() for spec in split.pieces}
 
 
+def _program(split: SplitGraph, compiled: Mapping) -> FxProgram:
+    """The split graph as code, each compute piece as Dynamo traced it (its copy from before the
+    compiler's passes rewrote it in place). Made last: it drops the nodes' metadata."""
+    module = torch.fx.GraphModule(split.graph_module, split.graph_module.graph)
+    for name, piece in compiled.items():
+        if piece.eager is not None:
+            setattr(module, name, piece.eager)
+    return FxProgram(module)
+
+
+def _report(split: SplitGraph, compiled: Mapping, signatures, calls: list, compiler) -> PlanReport:
+    return PlanReport(dict(signatures), _piece_code(split), _attention(calls), compiler.inductor_compiles,
+                      compiler.inductor_seconds, compiled_as={n: p.shared_with for n, p in compiled.items()},
+                      inductor_code={n: p.inductor_code for n, p in compiled.items() if p.inductor_code},
+                      step_symbols=tuple(sorted(map(str, split.step_symbols))))
+
+
 def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, compiled: Mapping,
               fake_outputs: Mapping, node_values: Mapping, compiler) -> GraphPlan:
     """Decide, from what the compile stages found, everything the compiled graph does per call.
@@ -225,10 +243,10 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
     key = dataclasses.replace(key, values=tuple(sorted(scalars)))
     padding = _padding(config, split, compiled, fake_outputs, key, unmasked, inputs)
     calls = _attention_calls(split)
-    return GraphPlan(
-        split=split, compiled=dict(compiled),
+    plan = dict(  # everything that reads the nodes' metadata first: the program drops it
+        piece_specs=tuple(split.pieces), unsafe_ops=tuple(split.unsafe_ops),
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names | set(scalars.values()), unmasked),
-        inputs=inputs, fake_outputs=dict(fake_outputs),
+        inputs=inputs.run_time(), output_specs={name: describe(v) for name, v in fake_outputs.items()},
         key=key, padding=padding,
         graphs_disabled_reason=graphs_disabled_reason(
             config, inputs.fake_inputs, missing, list(inputs.names), inputs.python_scalars),
@@ -240,5 +258,5 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
                                 "cuda" if emulating() else
                                 graph_device(inputs.fake_inputs, inputs.python_scalars).type),
         full=full_graph_plan(config, inputs, split, key, any(p.draws_random for p in compiled.values())),
-        report=PlanReport(dict(signatures), _piece_code(split), _attention(calls), compiler.inductor_compiles,
-                          compiler.inductor_seconds))
+        report=_report(split, compiled, signatures, calls, compiler))
+    return GraphPlan(program=_program(split, compiled), **plan)

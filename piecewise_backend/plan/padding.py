@@ -21,7 +21,6 @@ tensor's padded rows are always valid indices (garbage there could trip a device
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -29,21 +28,7 @@ import torch.fx
 
 from .._torch_internals import sym_expr
 from .rows.row_independence import analyse
-
-
-@dataclasses.dataclass(frozen=True)
-class PiecePadding:
-    """How to pad one compute piece.
-
-    Attributes:
-        arg_dims: tensor arg index -> the dim that holds the padded size.
-        out_dims: for each output (flattened), the dim to slice back, or None.
-        scalar_exprs: SymInt arg index -> its sympy expression (re-evaluated at the padded size).
-    """
-
-    arg_dims: dict
-    out_dims: tuple
-    scalar_exprs: dict
+from .types import PiecePadding
 
 
 def _padded_dims(value: Any, sym) -> list[int] | None:

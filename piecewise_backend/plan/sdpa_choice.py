@@ -7,20 +7,14 @@ and hands the choice to run time in the plan.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 import torch.fx
 
 from ..config import SDPA_BACKENDS as NAMES
 from ..fx import graph_facts as facts
-
-
-@dataclasses.dataclass(frozen=True)
-class SdpaChoice:
-    enabled: Mapping[str, bool]  # backend name -> on/off while the graph runs
-    reason: str  # why, for the stats and the inspection report
+from .types import SdpaChoice
 
 
 def _kv_length(node: torch.fx.Node):

@@ -1,12 +1,17 @@
-"""The plan's types: what compile time hands to run time, and all that run time reads of it.
+"""The plan: what compile time hands to run time, a run-time value and all that run time reads.
 
-``making.py`` decides them from what the compile stages found (``backend.build``: rewrite → split →
+``making.py`` decides it from what the compile stages found (``backend.build``: rewrite → split →
 compile → plan → wrap); ``runtime/`` imports these types and nothing else of compile time. A
-:class:`GraphPlan` holds the pieces and how each is run (:class:`PiecePlan`), the shape key read
-per call (:class:`ShapeKey`), whether and how batches are padded (:class:`PaddingPlan`), and why
-the graph gets no CUDA graphs at all, if it does not. Frozen: nothing changes it once made (the
-run time wraps its pieces in a copy of the split graph, and writes each call's positions into step
-scalars of its own, ``StepScalars.fresh``). No fake value of an intermediate outlives it.
+:class:`GraphPlan` holds the split graph as code (:class:`FxProgram`), how each compute piece is
+run (:class:`PiecePlan`), the shape key read per call (:class:`ShapeKey`), whether and how batches
+are padded (:class:`PaddingPlan`), how a call is captured whole (:class:`FullGraphPlan`), and why
+the graph gets no CUDA graphs at all, if it does not.
+
+It is a value: no fake tensor, no graph node's metadata, no proof object outlives compile time.
+Tensors are described by :class:`TensorSpec` (sizes as ints or sympy expressions in the graph's
+symbols), so the plan pickles, and a process that loads it (``persist/``) runs it as the one that
+made it. Frozen: the run time wraps its pieces in a copy of the program, and writes each call's
+positions into step scalars of its own (``StepScalars.fresh``).
 """
 
 from __future__ import annotations
@@ -18,82 +23,174 @@ from typing import Any, Callable, Mapping
 import torch
 import torch.fx
 
-from ..compiling.piece_compiler import CompiledPiece
-from ..fx import graph_facts as facts
-from ..rewrite import PLACEHOLDER, Rewrite, StepScalars
-from ..split.splitting import SplitGraph
-from .padding import PiecePadding
-from .rows.row_independence import Capacity, evaluate_rows
-from .sdpa_choice import SdpaChoice
+from .._torch_internals import sym_expr
+from ..kinds import PieceSpec
+from ..rewrite import StepScalars
+
+
+# -- values, described -------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
-class GraphInputs:
-    """The graph the backend compiles and its inputs as the compiled graph will be called: Dynamo's,
-    plus the step-scalar tensor when the decode rewrite added one (last)."""
+class TensorSpec:
+    """A tensor as a fake value described it: sizes and strides are ints or sympy expressions in the
+    graph's symbols (``s0``, ``128*s0``). What run time needs to read a symbol's value from a real
+    tensor, check its strides, or make a zero stand-in at chosen sizes (``runtime/symbolic.py``)."""
 
-    graph_module: torch.fx.GraphModule
-    fake_mode: Any  # Dynamo's FakeTensorMode for this compile
-    fake_inputs: tuple
-    static_names: frozenset  # placeholder names of parameters/buffers (and the step scalars)
-    rewrite: Rewrite | None
+    shape: tuple
+    strides: tuple
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool = False
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class SymSpec:
+    """A symbolic number (a SymInt input: a size passed as an int), as its sympy expression."""
+
+    expr: Any
+
+
+def _size(value) -> Any:
+    expr = sym_expr(value)
+    return int(expr) if getattr(expr, "is_Integer", False) else expr
+
+
+def describe(value: Any) -> Any:
+    """The run-time description of a compile-time value: fake tensors become :class:`TensorSpec`,
+    symbolic numbers :class:`SymSpec`, lists and tuples keep their structure, the rest is kept."""
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(tuple(map(_size, value.shape)), tuple(map(_size, value.stride())), value.dtype,
+                          value.device, bool(value.requires_grad))
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return SymSpec(sym_expr(value))
+    if type(value) in (list, tuple):
+        return type(value)(describe(v) for v in value)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class InputsPlan:
+    """The graph's inputs as run time reads them: Dynamo's, plus the step-scalar tensor when the
+    decode rewrite added one (last)."""
+
+    names: tuple  # in order (the run time's messages name inputs by them)
+    specs: tuple  # TensorSpec / SymSpec / a plain value, per input
+    static_inputs: frozenset  # indices of parameters/buffers (and the step scalars): used in place
+    python_scalars: frozenset  # Python floats passed as CPU scalar tensors (host values, keyed by value)
+    weight_indices: tuple  # the parameters/buffers whose addresses choose the set of graphs
+    step_scalars: StepScalars | None  # the decode rewrite's layout (None: no rewrite)
 
     @functools.cached_property
-    def devices(self) -> frozenset:
-        """The device types of the tensor inputs (Python floats passed as CPU scalars left out)."""
-        return frozenset(v.device.type for i, v in enumerate(self.fake_inputs)
-                         if isinstance(v, torch.Tensor) and i not in self.python_scalars)
-
-    @functools.cached_property
-    def names(self) -> tuple:
-        """The graph's input names, in order (the run time's messages name inputs by them)."""
-        return tuple(n.name for n in facts.placeholders(self.graph_module.graph))
-
-    @functools.cached_property
-    def static_inputs(self) -> frozenset:
-        return frozenset(i for i, name in enumerate(self.names) if name in self.static_names)
-
-    @functools.cached_property
-    def python_scalars(self) -> frozenset:
-        """Inputs that are Python floats passed as CPU scalar tensors (``graph_facts.python_scalar_inputs``)."""
-        return facts.python_scalar_inputs(self.graph_module.graph)
-
-    @functools.cached_property
-    def weight_indices(self) -> tuple:
-        """The parameters/buffers whose addresses choose the set of graphs (not the step scalars)."""
-        own = len(self.fake_inputs) - 1 if self.rewrite is not None else None
-        return tuple(i for i in sorted(self.static_inputs)
-                     if isinstance(self.fake_inputs[i], torch.Tensor) and i != own)
+    def device(self) -> torch.device:
+        """The device of the graph's tensors (Python floats passed as CPU scalars do not count)."""
+        return graph_device(self.specs, self.python_scalars)
 
     @property
-    def masked_buffers(self) -> frozenset:
-        """Buffers whose writes moved into compute pieces, masked to the caller's rows (or unmasked in a
-        graph of fixed sizes, which is never padded): padding and repeated runs (warm-up) leave them
-        as one real call would."""
-        return self.rewrite.buffers if self.rewrite is not None else frozenset()
+    def any_requires_grad(self) -> bool:
+        return any(isinstance(v, TensorSpec) and v.requires_grad for v in self.specs)
 
-    @staticmethod
-    def with_rewrite(rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set) -> "GraphInputs":
-        """The rewritten graph's inputs: one more, the step scalars (a tensor Dynamo never saw: its
-        static shape, not a fresh symbol)."""
-        fakes = (*fake_inputs, fake_mode.from_tensor(rewrite.scalars.tensor, static_shapes=True))
-        return GraphInputs(rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite)
+
+def graph_device(values, python_scalars: frozenset = frozenset()) -> torch.device:
+    """The device of the first tensor (fake or described) that is not a Python float's CPU scalar."""
+    for i, v in enumerate(values):
+        if isinstance(v, (torch.Tensor, TensorSpec)) and i not in python_scalars:
+            return v.device
+    return torch.device("cpu")
+
+
+# -- padding -------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class PiecePadding:
+    """How to pad one compute piece (``padding.py`` proves it safe).
+
+    Attributes:
+        arg_dims: tensor arg index -> the dim that holds the padded size.
+        out_dims: for each output (flattened), the dim to slice back, or None.
+        scalar_exprs: SymInt arg index -> its sympy expression (re-evaluated at the padded size).
+    """
+
+    arg_dims: dict
+    out_dims: tuple
+    scalar_exprs: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """A tensor read or written by batch row: a padded batch may not exceed ``rows``
+    (``rows/row_independence.py`` finds them)."""
+
+    tensor: str  # the graph input (or value) read or written by batch row
+    where: str  # which dim, and the node that does it, for people
+    rows: Any  # an int, or a sympy expression in the graph's symbols
+
+
+def evaluate_rows(capacities, values: dict) -> int | None:
+    """The fewest rows any capacity allows at these symbol values (None: no limit; 0 when one cannot
+    be evaluated, which allows no padding)."""
+    limit = None
+    for capacity in capacities:
+        rows = capacity.rows
+        if not isinstance(rows, int):
+            rows = rows.xreplace(values)
+            rows = int(rows) if not getattr(rows, "free_symbols", None) else 0
+        limit = rows if limit is None else min(limit, rows)
+    return limit
+
+
+def _row_limit(capacities: tuple, symbols: tuple) -> Callable[[tuple], int | None] | None:
+    return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
+
+
+@dataclasses.dataclass(frozen=True)
+class PaddingPlan:
+    per_piece: Mapping[str, PiecePadding]  # empty: not padded
+    refusal: str | None  # why the graph cannot be padded
+    capacities: tuple[Capacity, ...]  # tensors read or written by batch row: they cap the padded size
+    note: str  # what is padded, or why nothing is, for people
+
+
+# -- pieces and calls ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SdpaChoice:
+    """Which SDPA kernels a graph's eager attention may use (``sdpa_choice.py`` decides it)."""
+
+    enabled: Mapping[str, bool]  # backend name -> on/off while the graph runs
+    reason: str  # why, for the stats and the inspection report
 
 
 @dataclasses.dataclass(frozen=True)
 class PiecePlan:
-    """How one compute piece runs (``runtime/piece_runner.py`` reads nothing else about it)."""
+    """How one compute piece runs (``runtime/piece_runner.py`` reads nothing else about it; its code
+    is handed beside the plan: compiled code is not a plan's to hold)."""
 
     name: str
-    fn: Callable
-    fake_args: list  # what it was compiled for (strides of its inputs)
+    arg_specs: tuple  # what it was compiled for (strides of its inputs), described
     static_args: frozenset  # args that are parameters/buffers: captured in place
     escaping_outputs: frozenset  # outputs the user sees: cloned out of the pool
     padding: PiecePadding | None
     stage_keys: Mapping[int, str]  # args read by several pieces: copied once per step (staging.py)
     restore_after_warmup: frozenset  # written args whose writes are not idempotent
     draws_random: bool = False  # draws from the default CUDA generator (captured with it registered)
-    eager_fn: Callable | None = None  # its FX code, for when the compiled code raises (piece_runner)
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceCode:
+    """The code one compute piece runs, handed to run time beside its :class:`PiecePlan`."""
+
+    compiled: Callable | None  # Inductor's code (None: the traced code runs, ``compiler="eager"``)
+    traced: Callable  # its FX code as Dynamo traced it (the program's submodule)
+
+    @property
+    def runs(self) -> Callable:
+        return self.compiled if self.compiled is not None else self.traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,14 +208,6 @@ class ShapeKey:
 
 
 @dataclasses.dataclass(frozen=True)
-class PaddingPlan:
-    per_piece: Mapping[str, PiecePadding]  # empty: not padded
-    refusal: str | None  # why the graph cannot be padded
-    capacities: tuple[Capacity, ...]  # tensors read or written by batch row: they cap the padded size
-    note: str  # what is padded, or why nothing is, for people
-
-
-@dataclasses.dataclass(frozen=True)
 class FullGraphPlan:
     """How a call under ``cudagraph_mode("full")`` is captured whole (``full_graph.py`` decides it)."""
 
@@ -131,8 +220,7 @@ class FullGraphPlan:
     returns_inputs: frozenset = frozenset()  # output positions that are views of inputs used in place
 
     def row_limit(self, symbols: tuple) -> Callable[[tuple], int | None] | None:
-        capacities = self.capacities
-        return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
+        return _row_limit(self.capacities, symbols)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,15 +232,34 @@ class PlanReport:
     attention: tuple  # (node name, how it runs) per attention call, in order (``making._attention``)
     inductor_compiles: int
     inductor_seconds: float
+    compiled_as: Mapping[str, str] = dataclasses.field(default_factory=dict)  # piece -> first piece of its code
+    inductor_code: Mapping[str, str] = dataclasses.field(default_factory=dict)  # piece -> Inductor's module
+    step_symbols: tuple = ()  # the per-step scalars' symbols (positions), by name
+
+
+class FxProgram:
+    """The split graph as code: its forward calls the pieces in order; each piece is a submodule of
+    FX code (a compute piece's as Dynamo traced it, before any compiler rewrote it: what runs when
+    no compiler is used, or when compiled code fails). No node keeps its metadata (fake values), so
+    it pickles as torch pickles a ``GraphModule``: Python code and constants."""
+
+    def __init__(self, module: torch.fx.GraphModule):
+        for gm in (module, *(m for m in module.children() if isinstance(m, torch.fx.GraphModule))):
+            for node in gm.graph.nodes:
+                node.meta.clear()
+        self.module = module
+
+    def piece(self, name: str) -> torch.fx.GraphModule:
+        return getattr(self.module, name)
 
 
 @dataclasses.dataclass(frozen=True)
 class GraphPlan:
-    split: SplitGraph
-    compiled: Mapping[str, CompiledPiece]
+    program: FxProgram
+    piece_specs: tuple[PieceSpec, ...]  # every piece of the split graph, in order
     pieces: Mapping[str, PiecePlan]  # compute pieces, in execution order
-    inputs: GraphInputs
-    fake_outputs: Mapping[str, Any]  # every piece's fake output (up-front capture's stand-ins)
+    inputs: InputsPlan
+    output_specs: Mapping[str, Any]  # every piece's output, described (up-front capture's stand-ins)
     key: ShapeKey
     padding: PaddingPlan
     graphs_disabled_reason: str | None  # why this graph never captures, None: it does
@@ -161,26 +268,16 @@ class GraphPlan:
     sdpa_choice: SdpaChoice | None  # the SDPA kernels eager attention may use (None: torch's choice)
     full: FullGraphPlan  # how a call is captured whole, when its caller says it may be
     report: PlanReport  # what it tells people; nothing that runs a call reads it
+    unsafe_ops: tuple = ()  # ops split at because they are tagged cudagraph_unsafe, once each
 
-    @functools.cached_property
+    @property
     def device(self) -> torch.device:
-        return graph_device(self.inputs.fake_inputs, self.inputs.python_scalars)
+        return self.inputs.device
 
     @property
     def step_scalars(self) -> StepScalars | None:
-        return self.inputs.rewrite.scalars if self.inputs.rewrite is not None else None
-
-    @property
-    def any_requires_grad(self) -> bool:
-        return any(isinstance(v, torch.Tensor) and v.requires_grad for v in self.inputs.fake_inputs)
+        return self.inputs.step_scalars
 
     def row_limit(self) -> Callable[[tuple], int | None] | None:
         """``key -> rows``: the most rows a padded batch may have at that key (None: no cap)."""
-        capacities, symbols = self.padding.capacities, self.key.symbols
-        return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
-
-
-def graph_device(fake_inputs, python_scalars: frozenset = frozenset()) -> torch.device:
-    """The device of the graph's tensors (Python floats passed as CPU scalars do not count)."""
-    tensors = [f for i, f in enumerate(fake_inputs) if isinstance(f, torch.Tensor) and i not in python_scalars]
-    return tensors[0].device if tensors else torch.device("cpu")
+        return _row_limit(self.padding.capacities, self.key.symbols)

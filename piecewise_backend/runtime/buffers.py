@@ -29,14 +29,14 @@ def fits_in_storage(t: torch.Tensor, size) -> bool:
     return last < t.untyped_storage().nbytes() // t.element_size()
 
 
-def owned_copy(arg: torch.Tensor, fake: torch.Tensor, sym_values: dict, size: list, dim: int | None) -> torch.Tensor:
+def owned_copy(arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None) -> torch.Tensor:
     """A buffer holding ``arg`` (in its first rows along ``dim`` when padded to ``size``).
 
-    Strides are the ones the compiled code expects (``fake``'s, at the key's symbol values); the
+    Strides are the ones the compiled code expects (``spec``'s, at the key's symbol values); the
     storage offset is dropped: compiled code reads through the data pointer. Padded rows start as
     zeros: an index tensor's padded rows must hold valid indices.
     """
-    strides = strides_at(fake, sym_values)
+    strides = strides_at(spec, sym_values)
     if dim is None:
         buf = torch.empty_strided(arg.shape, strides or arg.stride(), dtype=arg.dtype, device=arg.device)
         buf.copy_(arg)

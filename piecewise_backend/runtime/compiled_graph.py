@@ -23,18 +23,20 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
 import torch
 
 from .. import _torch_internals
 from ..config import PiecewiseConfig
 from ..kinds import CaptureHow, GraphMode, Miss, PieceKind
+from ..plan.types import PieceCode
 from . import messages
 from .call_guard import call_guard
 from .capture_policy import CapturePolicy, Route
 from .capture_retries import CaptureRetries
 from .capture_traffic import CaptureTraffic
+from .code_switch import CodeSwitch
 from .devices import pool_bytes, synchronize
 from .distributed import RankAgreement, agreed_refusal
 from .full_graph import FALLBACK, FullGraphs
@@ -55,9 +57,11 @@ log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 class CompiledGraph:
     """The callable Dynamo installs for one captured graph."""
 
-    def __init__(self, plan: GraphPlan, config: PiecewiseConfig):
+    def __init__(self, plan: GraphPlan, config: PiecewiseConfig, compiled: Mapping[str, Callable | None]):
+        """``compiled``: each compute piece's compiled code (None, or left out: it runs its traced code)."""
         self.plan = plan
         self.config = config
+        self.compiled_code = dict(compiled)  # what the pieces were built with (``persist/`` saves it)
         self.serial = 0  # numbered by the registry (``registry.py``) once built
         self.stats = GraphStats.of_plan(plan)
         # ranks that must decide captures together (distributed.py), from the groups the plan names
@@ -67,10 +71,9 @@ class CompiledGraph:
                                     plan.row_limit(), tuple(map(str, plan.key.symbols)),
                                     (full_refusal, plan.full.row_limit(plan.key.symbols)))
         self.step = StepState()
-        # the split graph this graph runs: a copy of the plan's, whose pieces are replaced by runners
-        # (the plan stays as compile time made it: inspection reads it)
-        self.split_module = torch.fx.GraphModule(plan.split.graph_module, plan.split.graph_module.graph)
-        self.runners = self._wrap_pieces()
+        # the split graph this graph runs: a copy of the plan's program, its pieces replaced by runners
+        self.split_module = torch.fx.GraphModule(plan.program.module, plan.program.module.graph)
+        self.runners = self._wrap_pieces(compiled)
         self.captured: set = set()  # shape keys captured (for the active set of weights)
         self._routes: dict[tuple, Route] = {}
         self._unreplayed: set = set()  # keys captured lazily and not replayed since (capture_policy.churn)
@@ -86,24 +89,26 @@ class CompiledGraph:
         self.step_scalars = plan.step_scalars.fresh() if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
-        self._any_requires_grad = plan.any_requires_grad
+        self._any_requires_grad = plan.inputs.any_requires_grad
         self._shape_key = plan.key.of
         self._pad = plan.key.pad_position
         self._sdpa_backends = SdpaBackends(dict(plan.sdpa_choice.enabled), plan.sdpa_choice.reason) \
             if plan.sdpa_choice is not None else None
-        self._guard = call_guard(plan.device)
+        self.call_guard = self._guard = call_guard(plan.device)
+        self.code_switch = CodeSwitch()  # code compiled while this graph serves (compiler="eager_then_inductor")
 
-    def _wrap_pieces(self) -> dict[str, PieceRunner]:
+    def _wrap_pieces(self, compiled: Mapping[str, Callable | None]) -> dict[str, PieceRunner]:
         """Replace each compute submodule by its runner (an instance attribute shadows the registered
         submodule, which stays for inspection); eager submodules are called without
         ``nn.Module.__call__``'s overhead."""
         split_gm = self.split_module
         device = self.plan.device
         runners = {}
-        for spec in self.plan.split.pieces:
+        for spec in self.plan.piece_specs:
             if spec.kind == PieceKind.COMPUTE:
                 self.stats.pieces[spec.name] = PieceStats(spec.name)
-                runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], self.step, self.stats.pieces[spec.name],
+                code = PieceCode(compiled.get(spec.name), self.plan.program.piece(spec.name))
+                runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], code, self.step, self.stats.pieces[spec.name],
                                                  self.config.warmup_runs, self.config.clone_outputs,
                                                  self.agreement, device)
                 split_gm.__dict__[spec.name] = runners[spec.name]
@@ -113,9 +118,7 @@ class CompiledGraph:
 
     # -- what the plan says, by name ----------------------------------------------------------------
 
-    split = property(lambda self: self.plan.split)
-    compiled = property(lambda self: self.plan.compiled)
-    pieces = property(lambda self: self.plan.split.pieces)
+    pieces = property(lambda self: self.plan.piece_specs)
     signatures = property(lambda self: self.plan.report.signatures)
     key_symbols = property(lambda self: self.plan.key.symbols)
     pad_position = property(lambda self: self.plan.key.pad_position)
@@ -142,6 +145,8 @@ class CompiledGraph:
     # -- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
+        if self.code_switch.pending:  # code compiled behind (code_switch.py): all pieces at once, then capture
+            self.code_switch.apply(self)
         if self._graphs_off:  # never graphed: nothing shared with other callers
             return self._call(args)
         with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
@@ -343,9 +348,10 @@ class CompiledGraph:
         """Forget every shape key's graphs, for every set of weights (see ``registry.release_graphs``);
         the number of keys released. Keys whose capture failed stay un-graphed."""
         with self._guard:
-            return self._release_graphs()
+            return self.forget_graphs()
 
-    def _release_graphs(self) -> int:
+    def forget_graphs(self) -> int:
+        """:meth:`release_graphs` for a caller that holds the call guard."""
         return sum(map(self._release_set, self.weights.all()))
 
     @staticmethod

@@ -64,7 +64,7 @@ class FullGraphs:
         self.graph = weakref.proxy(graph)
         plan = graph.plan
         self.plan = plan.full
-        self.fake_inputs = plan.inputs.fake_inputs
+        self.input_specs = plan.inputs.specs
         self.symbols, self.pad_position = plan.key.symbols, plan.key.pad_position
         weights = set(plan.inputs.weight_indices) | plan.inputs.python_scalars | plan.inputs.static_inputs
         self.written = frozenset(i for i in self.plan.in_place if i not in weights)
@@ -135,7 +135,7 @@ class FullGraphs:
 
     def _capture(self, route: Route, args: tuple):
         graph, key = self.graph, route.key
-        values = {**symbol_values(self.fake_inputs, args), **dict(zip(self.symbols, key))}
+        values = {**symbol_values(self.input_specs, args), **dict(zip(self.symbols, key))}
         before, start = graph.pool_bytes(), time.perf_counter()
         capture_args, copies, written = self._inputs(args, route, values)
         graph.step.inside_full_graph()
@@ -182,7 +182,7 @@ class FullGraphs:
             size = list(arg.shape)
             if dim is not None:
                 size[dim] = key_size
-            buf = capture_args[i] = owned_copy(arg, self.fake_inputs[i], values, size, dim)
+            buf = capture_args[i] = owned_copy(arg, self.input_specs[i], values, size, dim)
             copies.append((i, buf, buf.data_ptr()))
         return capture_args, copies, written
 

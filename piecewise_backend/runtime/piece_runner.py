@@ -52,10 +52,11 @@ from .devices import device_graphs
 from .distributed import RankAgreement, agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
 from .stats import PieceStats
+from ..plan.types import TensorSpec
 from .symbolic import evaluate, strides_at, symbol_values
 
 if TYPE_CHECKING:
-    from ..plan.types import PiecePlan
+    from ..plan.types import PieceCode, PiecePlan
 
 log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 
@@ -124,18 +125,18 @@ class PieceRunner:
             collectives inside it still pair up.
     """
 
-    def __init__(self, piece: PiecePlan, step: StepState, stats: PieceStats, warmup_runs: int, clone_outputs: bool,
-                 agreement: RankAgreement | None = None, device: torch.device | None = None):
+    def __init__(self, piece: PiecePlan, code: PieceCode, step: StepState, stats: PieceStats, warmup_runs: int,
+                 clone_outputs: bool, agreement: RankAgreement | None = None, device: torch.device | None = None):
         self.name = piece.name
-        self.fn = piece.fn
-        self.fake_args = piece.fake_args
+        self.fn = code.runs
+        self.arg_specs = piece.arg_specs
         self.static_args = piece.static_args
         self.escaping_outputs = piece.escaping_outputs
         self.padding = piece.padding
         self.stage_keys = piece.stage_keys  # arg index -> stage key
         self.restore_after_warmup = piece.restore_after_warmup
         self.draws_random = piece.draws_random
-        self.eager_fn = piece.eager_fn  # the piece's FX code: the fallback when the compiled code raises
+        self.eager_fn = code.traced  # the piece's FX code: the fallback when the compiled code raises
         self.step = step
         self.stats = stats
         self.warmup_runs = warmup_runs
@@ -214,11 +215,11 @@ class PieceRunner:
         the input's strides. Captured graphs never see this (their input buffers have the expected
         strides and ``copy_`` converts), un-graphed calls retry through this.
         """
-        values = symbol_values(self.fake_args, args)
+        values = symbol_values(self.arg_specs, args)
         out, changed = list(args), False
-        for i, (fake, arg) in enumerate(zip(self.fake_args, args)):
-            if isinstance(fake, torch.Tensor) and isinstance(arg, torch.Tensor):
-                strides = strides_at(fake, values)
+        for i, (spec, arg) in enumerate(zip(self.arg_specs, args)):
+            if isinstance(spec, TensorSpec) and isinstance(arg, torch.Tensor):
+                strides = strides_at(spec, values)
                 if strides is not None and tuple(arg.stride()) != strides and arg.numel() > 1:
                     out[i] = torch.empty_strided(arg.shape, strides, dtype=arg.dtype, device=arg.device).copy_(arg)
                     changed = True
@@ -308,7 +309,7 @@ class PieceRunner:
                 buf = staged  # an earlier piece of this call copied the same source into it
                 capture_args[i] = buf
             else:
-                buf = owned_copy(arg, self.fake_args[i], step.sym_values, size, dim)
+                buf = owned_copy(arg, self.arg_specs[i], step.sym_values, size, dim)
                 capture_args[i] = buf
                 if stage is not None:
                     step.staged[stage] = buf

@@ -52,6 +52,9 @@ class GraphStats:
     inductor_compiles: int = 0
     inductor_seconds: float = 0.0
     build_seconds: float = 0.0  # the whole backend call (split, fake run, Inductor, runners)
+    loaded: bool = False  # built from a saved artifact (``persist/``): no trace, no compile
+    code_switches: int = 0  # switches to code compiled behind (``compiler="eager_then_inductor"``)
+    switched_at: float | None = None  # ``time.perf_counter()`` of the last switch
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
@@ -79,11 +82,11 @@ class GraphStats:
     def of_plan(cls, plan) -> "GraphStats":
         """A compiled graph's counters at its start: what its plan says of its pieces."""
         compute = len(plan.pieces)
-        return cls(num_pieces=len(plan.split.pieces), num_compute_pieces=compute,
-                   num_split_pieces=len(plan.split.pieces) - compute,
+        return cls(num_pieces=len(plan.piece_specs), num_compute_pieces=compute,
+                   num_split_pieces=len(plan.piece_specs) - compute,
                    inductor_compiles=plan.report.inductor_compiles, inductor_seconds=plan.report.inductor_seconds,
                    graphs_disabled_reason=plan.graphs_disabled_reason,
-                   padding=plan.padding.note, unsafe_ops=plan.split.unsafe_ops,
+                   padding=plan.padding.note, unsafe_ops=plan.unsafe_ops,
                    full_padding=plan.full.padding_note, full_refusal=plan.full.refusal,
                    eager_sdpa=plan.sdpa_choice.reason if plan.sdpa_choice is not None else "",
                    attention=dict(collections.Counter(how for _, how in plan.report.attention)))

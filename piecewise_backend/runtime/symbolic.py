@@ -1,9 +1,10 @@
-"""Sizes as Dynamo's symbols, and their values in a real call.
+"""Sizes as the graph's symbols, and their values in a real call.
 
-Compute pieces are compiled once for symbolic shapes (``s0`` for the batch); capture, padding and
-up-front capture need concrete sizes at some batch: the values of the symbols in a real call
-(:func:`symbol_values`), an expression evaluated at chosen values (:func:`evaluate`,
-:func:`strides_at`), or a zero tensor shaped like a fake one (:func:`materialize`).
+Compute pieces are compiled once for symbolic shapes (``s0`` for the batch); the plan describes
+their tensors with sizes that are ints or sympy expressions in those symbols (``plan.types.TensorSpec``).
+Capture, padding and up-front capture need concrete sizes at some batch: the values of the symbols
+in a real call (:func:`symbol_values`), an expression evaluated at chosen values (:func:`evaluate`,
+:func:`strides_at`), or a zero tensor shaped like a described one (:func:`materialize`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._torch_internals import is_symbol, sym_expr
+from ..plan.types import SymSpec, TensorSpec
 
 
 def evaluate(expr, values: dict) -> int:
@@ -23,36 +24,40 @@ def evaluate(expr, values: dict) -> int:
     return int(result)
 
 
-def symbol_values(fake_inputs: list, args: tuple) -> dict:
+def _is_symbol(size) -> bool:
+    return getattr(size, "is_Symbol", False)
+
+
+def symbol_values(specs, args: tuple) -> dict:
     """Every symbol that is a whole input dim or a SymInt input, mapped to its value in ``args``."""
     values = {}
-    for fake, real in zip(fake_inputs, args):
-        if is_symbol(fake):
-            values[sym_expr(fake)] = int(real)
-        elif isinstance(fake, torch.Tensor) and isinstance(real, torch.Tensor):
-            for size, n in zip(fake.shape, real.shape):
-                if is_symbol(size):
-                    values[sym_expr(size)] = n
+    for spec, real in zip(specs, args):
+        if isinstance(spec, SymSpec):
+            if _is_symbol(spec.expr):
+                values[spec.expr] = int(real)
+        elif isinstance(spec, TensorSpec) and isinstance(real, torch.Tensor):
+            for size, n in zip(spec.shape, real.shape):
+                if _is_symbol(size):
+                    values[size] = n
     return values
 
 
-def strides_at(fake: torch.Tensor, values: dict) -> tuple | None:
-    """A fake tensor's strides at these symbol values, or None where a symbol has no value."""
+def strides_at(spec: TensorSpec, values: dict) -> tuple | None:
+    """A described tensor's strides at these symbol values, or None where a symbol has no value."""
     try:
-        return tuple(evaluate(sym_expr(s), values) for s in fake.stride())
+        return tuple(evaluate(s, values) for s in spec.strides)
     except ValueError:
         return None
 
 
-def materialize(fake: Any, values: dict, device: torch.device | None = None) -> Any:
-    """A real zero-filled stand-in for a fake value, its sizes evaluated at ``values``."""
-    if isinstance(fake, (tuple, list)):
-        return type(fake)(materialize(f, values, device) for f in fake)
-    if isinstance(fake, torch.Tensor):
-        size = [evaluate(sym_expr(s), values) for s in fake.shape]
-        stride = [evaluate(sym_expr(s), values) for s in fake.stride()]
-        out = torch.empty_strided(size, stride, dtype=fake.dtype, device=device or fake.device)
-        return out.zero_()
-    if isinstance(fake, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return evaluate(sym_expr(fake), values)
-    return fake
+def materialize(spec: Any, values: dict, device: torch.device | None = None) -> Any:
+    """A real zero-filled stand-in for a described value, its sizes evaluated at ``values``."""
+    if isinstance(spec, (tuple, list)):
+        return type(spec)(materialize(s, values, device) for s in spec)
+    if isinstance(spec, TensorSpec):
+        size = [evaluate(s, values) for s in spec.shape]
+        stride = [evaluate(s, values) for s in spec.strides]
+        return torch.empty_strided(size, stride, dtype=spec.dtype, device=device or spec.device).zero_()
+    if isinstance(spec, SymSpec):
+        return evaluate(spec.expr, values)
+    return spec

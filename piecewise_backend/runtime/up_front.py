@@ -8,7 +8,7 @@ caller's tensor except, in full mode, buffers the graph itself writes at the pos
 in order, fed by zero stand-ins for everything else:
 
 * weights and buffers: the real tensors, remembered from the graph's first call;
-* other graph inputs and the eager pieces' outputs: zeros shaped from their fake values, with the
+* other graph inputs and the eager pieces' outputs: zeros shaped as the plan describes them, with the
   batch symbol set to the size being captured (zeros are valid token ids and harmless activations);
 * earlier compute pieces' outputs: the real captured outputs, as in a real step, so each piece is
   captured reading its predecessor's pool memory and a later real step replays with no copies.
@@ -24,6 +24,7 @@ import torch
 import torch.fx
 
 from ..kinds import CaptureHow, Miss
+from ..plan.types import SymSpec, TensorSpec
 from .symbolic import materialize, symbol_values
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class UpFrontCapture:
         kept = self.graph.plan.inputs.static_inputs | self.graph.plan.inputs.python_scalars
         self._template = [a if i in kept or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
         self._key = key
-        self._values = symbol_values(self.graph.plan.inputs.fake_inputs, args)
+        self._values = symbol_values(self.graph.plan.inputs.specs, args)
 
     def use_weights(self, args: tuple) -> None:
         """capture() uses these weights from now on (and not the old ones)."""
@@ -166,24 +167,24 @@ class UpFrontCapture:
 class _ComputeOnlyRun(torch.fx.Interpreter):
     """Runs the split graph's compute pieces; eager pieces are replaced by zero stand-ins."""
 
-    def __init__(self, split_gm, runners: dict, fake_outputs: dict, values: dict, device):
+    def __init__(self, split_gm, runners: dict, output_specs: dict, values: dict, device):
         super().__init__(split_gm)
         self.runners = runners
-        self.fake_outputs = fake_outputs
+        self.output_specs = output_specs
         self.values = values
         self.device = device
 
     def call_module(self, target, args, kwargs):
         if target in self.runners:
             return self.runners[target](*args)
-        return materialize(self.fake_outputs[target], self.values, self.device)
+        return materialize(self.output_specs[target], self.values, self.device)
 
 
 def run_compute_pieces(plan: GraphPlan, runners: dict, template: list, values: dict) -> None:
     """Run every compute piece of ``plan`` once on stand-ins at the symbol ``values`` (the runners
     capture); weights and Python scalars are taken from ``template`` as they are."""
     taken = plan.inputs.static_inputs | plan.inputs.python_scalars
-    inputs = [template[i] if i in taken or not isinstance(fake, torch.Tensor) and not isinstance(fake, torch.SymInt)
-              else materialize(fake, values, plan.device) for i, fake in enumerate(plan.inputs.fake_inputs)]
+    inputs = [template[i] if i in taken or not isinstance(spec, (TensorSpec, SymSpec))
+              else materialize(spec, values, plan.device) for i, spec in enumerate(plan.inputs.specs)]
     with torch.no_grad():
-        _ComputeOnlyRun(plan.split.graph_module, runners, plan.fake_outputs, values, plan.device).run(*inputs)
+        _ComputeOnlyRun(plan.program.module, runners, plan.output_specs, values, plan.device).run(*inputs)

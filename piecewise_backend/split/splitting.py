@@ -33,26 +33,13 @@ from torch.fx.passes.split_module import split_module
 
 from .. import _torch_internals
 from ..fx import graph_facts as facts
-from ..kinds import PieceKind
+from ..kinds import PieceKind, PieceSpec
 from ..op_names import canonical_op_name, display_name, is_cudagraph_unsafe
 from .attention_placement import beside_attention, is_fixed_shape_attention
 from .in_place_writes import graph_safe_writes, only_whole_writes
 from .piece_boundaries import keep_containers_in_their_piece
 
 COMPUTE, SPLIT, EAGER = PieceKind.COMPUTE, PieceKind.SPLIT, PieceKind.EAGER
-
-
-@dataclasses.dataclass(frozen=True)
-class PieceSpec:
-    """One piece of the split graph, in execution order."""
-
-    name: str  # submodule name in the split graph, e.g. "submod_3"
-    index: int
-    kind: PieceKind  # compute, split (holds a splitting op) or eager (only nodes that must run eagerly)
-    split_ops: tuple[str, ...]  # splitting ops it holds
-    eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
-    num_ops: int
-    writes_inputs: tuple[str, ...] = ()  # graph inputs (parameters/buffers) a compute piece writes
 
 
 @dataclasses.dataclass

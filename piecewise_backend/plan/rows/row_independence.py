@@ -34,17 +34,9 @@ import torch.fx
 from ..._torch_internals import sym_expr
 from ...fx import graph_facts as facts
 from ...op_names import canonical_op_name, display_name
+from ..types import Capacity
 from .row_indexing import IndexingRules
 from .row_ops import ALONG_DIM, CONV_NDIM, MATMULS, METADATA, MOVES, NORMS_OVER_LAST, POINTWISE, RESHAPES, SPLIT_ALONG, Refused, as_dims, base, dims_arg, norm_dim, op_name, prefix
-
-
-@dataclasses.dataclass(frozen=True)
-class Capacity:
-    """A tensor read or written by batch row: a padded batch may not exceed ``rows``."""
-
-    tensor: str  # the graph input (or value) read or written by batch row
-    where: str  # which dim, and the node that does it, for people
-    rows: Any  # an int, or a sympy expression in the graph's symbols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -340,18 +332,3 @@ def analyse(nodes, sym, known: dict | None = None, declared: frozenset = frozens
     except Refused as refused:
         return RowAnalysis(str(refused))
     return RowAnalysis(None, tuple(analysis.capacities))
-
-
-def evaluate_rows(capacities, values: dict) -> int | None:
-    """The fewest rows any capacity allows at these symbol values (None: no limit; 0 when one cannot
-    be evaluated, which allows no padding)."""
-    limit = None
-    for capacity in capacities:
-        rows = capacity.rows
-        if not isinstance(rows, int):
-            rows = rows.xreplace(values)
-            rows = int(rows) if not getattr(rows, "free_symbols", None) else 0
-        limit = rows if limit is None else min(limit, rows)
-    return limit
-
-

@@ -1,0 +1,211 @@
+"""Start-up routes on the serving engine: eager, Inductor cold, no Inductor, a warm process, serve-first.
+
+    python benchmarks/start_up.py --out start_up.json [--variants eager,no-inductor,...]
+    python benchmarks/start_up.py --out /tmp/s.json --device cpu --config tiny   # smoke test
+
+``toys/engine.py`` at Qwen2.5-1.5B's dimensions (random weights, bf16), each variant in a fresh child
+process, each with an empty Inductor/Triton cache folder of its own unless said otherwise. The engine
+marks the token count unbacked (``mark_dynamic="unbacked"``): one graph for every count, 1 included,
+so Dynamo traces once (backed, a step of one token is a second graph and a second trace). Start-up
+is process start (before ``import torch``) to the engine warmed up (vLLM's dummy runs: a step at the
+token budget and a one-token decode step). Per row:
+
+* ``trace_s``: Dynamo's tracing (its compile time less the backend's); ``compile_s``: Inductor's
+  compile time inside the backend; ``capture_s``: the captures (piecewise and full) until warmed up;
+* ``tpot_median_ms``: then ``--requests`` requests one at a time (batch 1, 1,000-token prompts, 100
+  new tokens): the decode step's time per token.
+
+Variants:
+
+* ``eager``; ``breakable-cuda-graphs`` (Meta's capture without a compiler, ``peers.py``);
+* ``inductor``: this backend, its pieces compiled by Inductor (``compiler="inductor"``), cold;
+* ``no-inductor``: ``compiler="eager"``: the pieces' traced code, captured the same way, cold;
+* ``save`` then ``warm``: the first process builds through ``piecewise_backend.save`` (Inductor, cold)
+  and writes the artifact; the second (``warm``, a fresh process, its Inductor cache empty) starts
+  from ``piecewise_backend.load``: no trace, no compile;
+* ``serve-first``: ``compiler="eager_then_inductor"``: serving starts on the traced code while
+  Inductor compiles behind; requests keep coming one at a time until both graphs switched and
+  ``--after`` more finished: ``tpot_before_ms`` (while compiling), ``tpot_median_ms`` (after),
+  ``switched_s`` (process start to the last switch), ``switch_step_ms`` (the slowest step of the
+  ones that switched and captured again). That tokens stay right across the switch is checked in
+  fp32, where eager's tokens are the reference (``tests/test_start_up.py``, ``tests/test_cuda_start_up.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+_STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import pathlib  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _checkout  # noqa: E402,F401  (the repository root on sys.path)
+from child_rows import child_row, report  # noqa: E402
+from serving import CONFIGS, build  # noqa: E402
+from toys import engine as toy  # noqa: E402
+
+VARIANTS = ("eager", "breakable-cuda-graphs", "inductor", "no-inductor", "save", "warm", "serve-first")
+COMPILERS = {"inductor": "inductor", "no-inductor": "eager", "save": "inductor", "warm": "inductor",
+             "serve-first": "eager_then_inductor"}
+PROMPT, OUTPUT = 1000, 100
+
+
+def _options(variant: str) -> dict:
+    return {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION],
+            "compiler": COMPILERS[variant]}
+
+
+def _engine(model, forward, args, device, dtype, mark_dynamic="unbacked") -> toy.Engine:
+    blocks = 4 * -(-(PROMPT + OUTPUT) // model.cfg.block_size) + -(-args.max_num_tokens // model.cfg.block_size) + 8
+    return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=1, num_blocks=blocks,
+                      device=device, dtype=dtype, mark_dynamic=mark_dynamic)
+
+
+def _forward(model, variant: str, args, engine_examples):
+    """What the engine calls, and the seconds ``load`` took (warm)."""
+    import piecewise_backend
+
+    if variant == "eager":
+        return model, 0.0
+    if variant == "breakable-cuda-graphs":
+        from peers import BreakableForward
+
+        return BreakableForward(model), 0.0
+    if variant in ("save", "warm"):
+        began = time.perf_counter()
+        examples = engine_examples() if variant == "save" else None  # normal tensors, as the engine's
+        with torch.inference_mode():  # the engine calls under it: the saved guards record the grad mode
+            if variant == "save":
+                fn = piecewise_backend.save(model.forward, examples, args.artifact, options=_options(variant))
+            else:
+                fn = piecewise_backend.load(args.artifact, model.forward, options=_options(variant))
+        return fn, time.perf_counter() - began
+    return torch.compile(model, backend="piecewise", options=_options(variant)), 0.0
+
+
+def _times() -> dict:
+    """Dynamo's trace (its compile, or ``aot_compile``'s capture, less the backend's build), the
+    backend's build, Inductor's compile within it and the captures so far, in seconds."""
+    from torch._dynamo.utils import compilation_time_metrics as metrics
+
+    dynamo = sum(metrics.get("_compile.compile_inner", [])) + sum(metrics.get("fullgraph_capture", []))
+    out = {"trace_s": dynamo - sum(metrics.get("OutputGraph.call_user_compiler", []))}
+    if "piecewise_backend" in sys.modules:
+        import piecewise_backend
+
+        graphs = piecewise_backend.compiled_graphs()
+        build = sum(g.stats.build_seconds for g in graphs if not g.stats.loaded)
+        out = {"trace_s": max(0.0, dynamo - build), "build_s": build,
+               "compile_s": sum(g.stats.inductor_seconds for g in graphs),
+               "capture_s": sum(e.seconds for g in graphs for e in g.stats.events)}
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def _one_at_a_time(engine, n: int, vocab: int, seed: int) -> list:
+    g = torch.Generator().manual_seed(seed)
+    engine.finished.clear()  # run() returns every finished request: only these
+    return engine.run([toy.Request(i, torch.randint(0, vocab, (PROMPT,), generator=g).tolist(), OUTPUT)
+                       for i in range(n)])
+
+
+def _tpots(done: list) -> list:
+    return [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in done]
+
+
+def _serve_across_the_switch(engine, args, vocab: int) -> dict:
+    """Requests one at a time until every graph switched to Inductor's code and ``--after`` more ran."""
+    import piecewise_backend
+
+    before, after, seed = [], [], 0
+    deadline = time.perf_counter() + args.switch_timeout
+    while len(after) < args.after and time.perf_counter() < deadline:
+        graphs = piecewise_backend.compiled_graphs()
+        switched = graphs and all(g.stats.code_switches for g in graphs if g.plan.pieces)
+        (after if switched else before).extend(_one_at_a_time(engine, 1, vocab, seed))
+        seed += 1
+    graphs = piecewise_backend.compiled_graphs()
+    at = [g.stats.switched_at for g in graphs if g.stats.code_switches]
+    steps = [s.seconds * 1e3 for s in engine.steps if any(s.start <= t <= s.start + s.seconds for t in at)]
+    return {"tpot_before_ms": round(statistics.median(_tpots(before)), 2) if before else None,
+            "tpot_median_ms": round(statistics.median(_tpots(after)), 2) if after else None,
+            "switched_s": round(max(at) - _STARTED, 2) if len(at) == len([g for g in graphs if g.plan.pieces]) else None,
+            "switch_step_ms": round(max(steps), 2) if steps else None,
+            "requests_before": len(before), "requests_after": len(after), **_times()}
+
+
+def child(args) -> None:
+    variant = args.variant
+    try:
+        device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = build(args.config, variant, device, dtype)
+        probe = _engine(model, None, args, device, dtype)
+        forward, load_s = _forward(model, variant, args, probe.example_calls)
+        engine = _engine(model, forward, args, device, dtype, mark_dynamic=variant != "warm" and "unbacked")
+        engine.warm_up(freeze_gc=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        row = {"variant": variant, "caches": args.caches, "startup_s": round(time.perf_counter() - _STARTED, 2),
+               **_times(), "load_s": round(load_s, 2)}
+        if variant == "serve-first":
+            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab))
+        else:
+            row["tpot_median_ms"] = round(statistics.median(_tpots(_one_at_a_time(engine, args.requests,
+                                                                                  model.cfg.vocab, 0))), 2)
+        from torch._dynamo.utils import counters
+
+        row["dynamo_frames"] = sum(counters["frames"].values())
+        row["inductor_cache"] = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+    except Exception as exc:  # a variant that fails is a result: say how
+        row = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    report(row)
+
+
+CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "inductor": "cold (empty Inductor/Triton caches)",
+          "no-inductor": "cold (empty caches)", "save": "cold (empty caches); writes the artifact",
+          "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--config", default="qwen2.5-1.5b", choices=sorted(CONFIGS))
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--after", type=int, default=3, help="serve-first: requests after the switch")
+    parser.add_argument("--switch-timeout", type=int, default=240)
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
+    parser.add_argument("--caches", help=argparse.SUPPRESS)
+    parser.add_argument("--artifact", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.variant:
+        return child(args)
+    out = pathlib.Path(args.out)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    work = pathlib.Path(tempfile.mkdtemp(prefix="start_up-"))
+    artifact = str(work / "engine.piecewise")
+    for variant in args.variants.split(","):
+        caches = str(work / f"caches-{variant}")
+        os.makedirs(caches, exist_ok=True)
+        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--caches", CACHES[variant],
+               "--artifact", artifact]
+        row = child_row(cmd, args.child_timeout, caches=caches)
+        row = {"variant": variant, "caches": CACHES[variant], **row}
+        result["startup"] = [r for r in result.get("startup", []) if r["variant"] != variant] + [row]
+        print(json.dumps(row), flush=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive a cut
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""Start-up routes (``compiler=`` option, save/load of compiled graphs), on CPU with emulated graphs:
+the route without Inductor gives eager's tokens and captures, pads and replays as the Inductor route
+does, on the serving engine and on a Hugging Face ``generate()``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+
+import pytest
+import torch
+
+import piecewise_backend
+
+from piecewise_backend.config import PiecewiseConfig
+from piecewise_backend.kinds import GraphMode
+from toys.engine import ATTENTION, TINY, Engine, EngineModel, seeded_trace
+
+from .helpers import graphs_since, last_serial
+
+pytestmark = pytest.mark.usefixtures("emulated_graphs")
+
+ENGINE_OPTIONS = {"extra_splitting_ops": [ATTENTION], "row_independent_ops": [ATTENTION]}
+
+
+def _serve(model, forward, graph_mode, requests=8, seed=3):
+    engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=5, num_blocks=80, graph_mode=graph_mode)
+    return [r.output for r in engine.run(seeded_trace(requests, seed=seed, vocab=model.cfg.vocab))]
+
+
+def _engine_model():
+    return EngineModel(dataclasses.replace(TINY, attention_op=ATTENTION)).init_weights_().eval()
+
+
+@pytest.fixture(scope="module")
+def engine_eager_route():
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _engine_model()
+    expected = _serve(model, None, "piecewise")
+    compiled = torch.compile(model, backend="piecewise", options={**ENGINE_OPTIONS, "compiler": "eager"})
+    got = _serve(model, compiled, "full_and_piecewise")
+    return {"expected": expected, "got": got, "graphs": graphs_since(start)}
+
+
+def test_without_inductor_the_engine_gives_eager_tokens_and_captures_full_and_piecewise_graphs(engine_eager_route):
+    run = engine_eager_route
+    assert run["got"] == run["expected"]
+    graphs = run["graphs"]
+    assert graphs and all(g.stats.inductor_compiles == 0 for g in graphs), [g.stats.summary() for g in graphs]
+    assert sum(g.stats.full_replays for g in graphs) > 0 and sum(g.stats.piecewise_replays for g in graphs) > 0
+    dynamic = next(g for g in graphs if g.pad_position is not None)
+    assert "padded up to the next capture size" in dynamic.stats.padding
+    full_sizes = {size for (mode, size), _ in dynamic.stats.graph_calls.items() if mode == GraphMode.FULL}
+    assert full_sizes and full_sizes <= set(dynamic.policy.sizes)
+
+
+def test_an_unknown_compiler_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="'compiler' must be one of 'inductor', 'eager'"):
+        PiecewiseConfig.from_options({"compiler": "tvm"})
+
+
+def test_the_engine_saved_and_loaded_serves_eager_tokens_from_the_saved_graphs(tmp_path):
+    model = _engine_model()
+    expected = _serve(model, None, "piecewise")
+    options = {**ENGINE_OPTIONS, "compiler": "eager"}
+    path = str(tmp_path / "engine.bin")
+    torch._dynamo.reset()
+    start = last_serial()
+    examples = Engine(model, None, max_num_tokens=32, max_num_seqs=5, num_blocks=80).example_calls()
+    with torch.inference_mode():  # as the engine calls it: the guards record the grad mode
+        saved = piecewise_backend.save(model.forward, examples, path, options=options)
+    assert len(saved.functions) == 2  # a graph for many tokens, one for a single token
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        loaded = piecewise_backend.load(path, model.forward, options=options)
+    engine = Engine(model, loaded, max_num_tokens=32, max_num_seqs=5, num_blocks=80, mark_dynamic=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a call the saved guards refused would warn
+        got = [r.output for r in engine.run(seeded_trace(8, seed=3, vocab=model.cfg.vocab))]
+    assert got == expected
+    graphs = [g for g in graphs_since(start) if g.stats.loaded]
+    assert len(graphs) == 2 and sum(g.stats.full_replays for g in graphs) > 0, [g.stats.summary() for g in graphs]
+
+
+def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_tokens(monkeypatch):
+    """The background compile is held until the engine has served some steps on the traced code;
+    then the next call switches every piece at once and captures again; tokens stay eager's."""
+    import threading
+
+    from piecewise_backend.persist import compile_behind
+
+    release = threading.Event()
+    real_run = compile_behind.CompileBehind._run
+
+    def held(self, *args):
+        release.wait(120)
+        real_run(self, *args)
+
+    monkeypatch.setattr(compile_behind.CompileBehind, "_run", held)
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _engine_model()
+    expected = _serve(model, None, "piecewise", requests=12)
+    compiled = torch.compile(model, backend="piecewise",
+                             options={**ENGINE_OPTIONS, "compiler": "eager_then_inductor"})
+    engine = Engine(model, compiled, max_num_tokens=32, max_num_seqs=5, num_blocks=80)
+    trace = seeded_trace(12, seed=3, vocab=model.cfg.vocab)
+    served = []
+    for i, request in enumerate(trace):  # one at a time: the switch lands between requests
+        served += [r.output for r in engine.run([request]) if r.id == request.id]
+        if i == 3:
+            graphs = graphs_since(start)
+            before = {g.serial: g.stats.replays + g.stats.full_replays for g in graphs}
+            calls = {g.serial: g.stats.calls for g in graphs}
+            assert all(g.stats.code_switches == 0 and g.stats.inductor_compiles == 0 for g in graphs)
+            release.set()
+            for g in graphs:
+                deadline = time.time() + 300
+                while not g.code_switch.pending and time.time() < deadline:
+                    time.sleep(0.05)
+    assert served == expected
+    graphs = graphs_since(start)
+    assert all(g.stats.code_switches == 1 and g.stats.inductor_compiles >= 1 for g in graphs), \
+        [g.stats.summary() for g in graphs]
+    assert all(g.runners[name].fn is g.compiled_code[name] is not None for g in graphs for name in g.runners)
+    assert sum(g.stats.replays + g.stats.full_replays for g in graphs) > sum(before.values())
+    assert any(e.call > calls[g.serial] for g in graphs for e in g.stats.events)  # captured again after it

@@ -1,0 +1,144 @@
+"""A compiled graph saved and loaded in a second process (``persist/``), on CPU with emulated graphs:
+the loaded function gives the first process's outputs with no Dynamo trace and no Inductor compile,
+through either compiler; an artifact that does not fit (another torch, edited model code, another
+dtype) is refused with its reason and the function is compiled instead, still right."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+import piecewise_backend
+from piecewise_backend import emulated_graphs
+
+MODEL = textwrap.dedent('''
+    import torch
+
+    class Block(torch.nn.Module):
+        """Two linears around attention: a compute piece, an eager one, a compute piece."""
+
+        def __init__(self, width=16):
+            super().__init__()
+            self.inner, self.outer = torch.nn.Linear(width, width), torch.nn.Linear(width, width)
+
+        def forward(self, x):
+            h = torch.relu(self.inner(x))
+            q = h.view(x.shape[0], 2, 4, 2).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(q, q, q).transpose(1, 2).reshape(x.shape)
+            return self.outer(a + h)
+''')
+
+LOADER = textwrap.dedent('''
+    import json, sys, warnings
+    import torch
+    sys.path.insert(0, sys.argv[1])
+    import piecewise_backend, warm_model
+    from torch._dynamo.utils import counters
+    import torch._inductor.compile_fx as compile_fx
+
+    def no_compile(*args, **kwargs):
+        raise AssertionError("Inductor compiled in the loading process")
+
+    compile_fx.compile_fx = no_compile
+    torch.manual_seed(0)
+    device = sys.argv[3]
+    model = warm_model.Block().eval().to(device)
+    with torch.no_grad(), piecewise_backend.emulated_graphs(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = piecewise_backend.load(sys.argv[2], model.forward)
+        outputs = [fn(torch.full((n, 16), 0.1 * n, device=device)).tolist() for n in (4, 3, 7, 4)]
+    graphs = piecewise_backend.compiled_graphs()
+    print(json.dumps({"outputs": outputs, "frames": sum(counters["frames"].values()),
+                      "loaded": [g.stats.loaded for g in graphs], "replays": sum(g.stats.replays for g in graphs),
+                      "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)]}))
+''')
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    (tmp_path / "warm_model.py").write_text(MODEL)
+    (tmp_path / "loader.py").write_text(LOADER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("warm_model", None)
+    return tmp_path
+
+
+def _block(device="cpu"):
+    import warm_model
+
+    torch.manual_seed(0)
+    return warm_model.Block().eval().to(device)
+
+
+def _save(model_dir, compiler: str, device="cpu"):
+    model = _block(device)
+    example = torch.randn(4, 16, device=device)
+    torch._dynamo.mark_dynamic(example, 0)
+    path = str(model_dir / f"block-{compiler}.bin")
+    with torch.no_grad(), emulated_graphs():
+        fn = piecewise_backend.save(model.forward, (example,), path, options={"compiler": compiler})
+        outputs = [fn(torch.full((n, 16), 0.1 * n, device=device)).tolist() for n in (4, 3, 7, 4)]
+        for got, n in zip(outputs, (4, 3, 7, 4)):
+            torch.testing.assert_close(torch.tensor(got, device=device), model(torch.full((n, 16), 0.1 * n, device=device)))
+    return model, path, outputs
+
+
+def _load_in_a_new_process(model_dir, path, device="cpu") -> dict:
+    done = subprocess.run([sys.executable, str(model_dir / "loader.py"), str(model_dir), path, device],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("compiler,device", [("inductor", "cpu"), ("eager", "cpu"),
+                                             pytest.param("inductor", "cuda", marks=pytest.mark.cuda)])
+def test_a_saved_graph_loaded_in_a_second_process_gives_the_first_process_outputs(model_dir, compiler, device):
+    _, path, outputs = _save(model_dir, compiler, device)
+    loaded = _load_in_a_new_process(model_dir, path, device)
+    assert loaded["warnings"] == []
+    assert loaded["outputs"] == outputs  # the same code on the same inputs: the same numbers
+    assert loaded["frames"] == 0  # no Dynamo trace (and compile_fx was made to raise: no Inductor compile)
+    assert loaded["loaded"] == [True] and loaded["replays"] > 0  # captured lazily, replayed, as a fresh build
+
+
+def test_an_artifact_of_another_torch_is_refused_naming_it_and_the_function_compiled(model_dir, monkeypatch):
+    model, path, outputs = _save(model_dir, "eager")
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    monkeypatch.setattr(torch.version, "__version__", "2.99.0")
+    with torch.no_grad(), emulated_graphs(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = piecewise_backend.load(path, model.forward, options={"compiler": "eager"})
+        got = fn(torch.full((3, 16), 0.3))
+    (message,) = [str(w.message) for w in caught if "not loading" in str(w.message)]
+    assert "2.99.0" in message and "Compiling instead" in message
+    torch.testing.assert_close(got, torch.tensor(outputs[1]))
+
+
+def test_edited_model_code_is_refused_naming_the_module(model_dir):
+    model, path, _ = _save(model_dir, "eager")
+    (model_dir / "warm_model.py").write_text(MODEL.replace("torch.relu(", "torch.tanh("))
+    with torch.no_grad(), emulated_graphs(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = piecewise_backend.load(path, model.forward, options={"compiler": "eager"})
+    (message,) = [str(w.message) for w in caught if "not loading" in str(w.message)]
+    assert "the model's code changed since it was saved (warm_model)" in message
+    assert not isinstance(fn, piecewise_backend.persist.warm_start.WarmFunction)
+
+
+def test_a_call_in_another_dtype_is_not_run_on_the_artifact_but_compiled_and_right(model_dir):
+    model, path, _ = _save(model_dir, "eager")
+    model = model.double()
+    x = torch.full((3, 16), 0.3, dtype=torch.float64)
+    with torch.no_grad(), emulated_graphs(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = piecewise_backend.load(path, model.forward, options={"compiler": "eager"})
+        got = fn(x)
+    assert [w for w in caught if "does not fit the saved compiled function" in str(w.message)]
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, model(x))
