@@ -18,6 +18,8 @@ token budget and a one-token decode step). Per row:
 Variants:
 
 * ``eager``; ``breakable-cuda-graphs`` (Meta's capture without a compiler, ``peers.py``);
+* ``dynamo-only``: ``torch.compile(backend="eager")``: Dynamo's trace and nothing else (no split, no
+  graphs): the floor under every route through ``torch.compile``, this backend's included;
 * ``inductor``: this backend, its pieces compiled by Inductor (``compiler="inductor"``), cold;
 * ``no-inductor``: ``compiler="eager"``: the pieces' traced code, captured the same way, cold;
 * ``save`` then ``warm``: the first process builds through ``piecewise_backend.save`` (Inductor, cold)
@@ -53,7 +55,7 @@ from child_rows import child_row, report  # noqa: E402
 from serving import CONFIGS, build  # noqa: E402
 from toys import engine as toy  # noqa: E402
 
-VARIANTS = ("eager", "breakable-cuda-graphs", "inductor", "no-inductor", "save", "warm", "serve-first")
+VARIANTS = ("eager", "breakable-cuda-graphs", "dynamo-only", "inductor", "no-inductor", "save", "warm", "serve-first")
 COMPILERS = {"inductor": "inductor", "no-inductor": "eager", "save": "inductor", "warm": "inductor",
              "serve-first": "eager_then_inductor"}
 PROMPT, OUTPUT = 1000, 100
@@ -80,6 +82,8 @@ def _forward(model, variant: str, args, engine_examples):
         from peers import BreakableForward
 
         return BreakableForward(model), 0.0
+    if variant == "dynamo-only":
+        return torch.compile(model, backend="eager"), 0.0
     if variant in ("save", "warm"):
         began = time.perf_counter()
         examples = engine_examples() if variant == "save" else None  # normal tensors, as the engine's
@@ -169,7 +173,7 @@ def child(args) -> None:
     report(row)
 
 
-CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "inductor": "cold (empty Inductor/Triton caches)",
+CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "dynamo-only": "none (nothing compiled)", "inductor": "cold (empty Inductor/Triton caches)",
           "no-inductor": "cold (empty caches)", "save": "cold (empty caches); writes the artifact",
           "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)"}
 

@@ -151,6 +151,18 @@ def test_an_eight_layer_static_cache_decode_step_is_one_graph_compiled_layer_by_
 
 
 @pytest.mark.usefixtures("emulated_graphs")
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_without_inductor_generate_gives_eager_tokens_and_compiles_nothing(cache):
+    """``compiler="eager"``: the pieces run their traced code, captured as Inductor's would be."""
+    torch._dynamo.reset()
+    start = last_serial()
+    kwargs = {"cache_implementation": "static"} if cache == "static" else {}
+    _assert_same_tokens(_generate_both(_model("qwen2", "cpu"), (1, 3), 8, "cpu", {"compiler": "eager"}, **kwargs))
+    (_assert_static_decode_is_one_graph if cache == "static" else _assert_dynamic_cache_replays)(start)
+    assert all(g.stats.inductor_compiles == 0 for g in graphs_since(start))
+
+
+@pytest.mark.usefixtures("emulated_graphs")
 @pytest.mark.parametrize("arch", ["gpt2", "qwen2", "mistral", "gemma"])
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_other_architectures_give_eager_tokens(arch, cache):

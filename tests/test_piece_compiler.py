@@ -87,17 +87,28 @@ def fake_mode():
         yield mode
 
 
-def test_fresh_copies_stand_in_only_for_outputs_in_storages_of_their_own(fake_mode):
+def test_fresh_copies_stand_in_for_outputs_outside_the_inputs_storages(fake_mode):
     suffice = piece_compiler._fresh_outputs_suffice
     x = torch.empty(4, 8)
     a, b = torch.empty(4, 8), torch.empty(8)
     assert suffice(a, [x]) and suffice((a, b, None, 3), [x])
+    assert suffice((a, a.view(32)[8:]), [x]), "outputs sharing a storage (q, k, v of one projection)"
+    assert suffice(a[1:], [x]), "an output at a constant offset"
     assert not suffice(x.view(8, 4), [x]), "a view of an input: another piece's would be of its own input"
-    assert not suffice((a, a.view(32)), [x]), "two outputs share a storage"
-    assert not suffice(a[1:], [x]), "an output at an offset"
+    assert not suffice((a, a.view(torch.int32)), [x]), "one storage read as two dtypes"
     assert not suffice(torch.return_types.max((a, b)), [x]), "a named tuple is not rebuilt"
     count = torch.empty((), dtype=torch.int64).item()  # a symbol made inside the piece: another piece would make another
     assert not suffice(torch.empty(count), [x])
+
+
+def test_fresh_copies_of_outputs_sharing_a_storage_share_a_fresh_one(fake_mode):
+    base = torch.empty(4, 24)
+    q, k = base[:, :8], base[:, 8:16]
+    fresh_q, fresh_k = piece_compiler._fresh_like((q, k))
+    storage = fresh_q.untyped_storage()._cdata
+    assert storage == fresh_k.untyped_storage()._cdata != base.untyped_storage()._cdata
+    assert fresh_k.storage_offset() == k.storage_offset() == 8
+    assert fresh_k.stride() == k.stride() and fresh_k.untyped_storage().nbytes() == base.untyped_storage().nbytes()
 
 
 def test_fresh_copies_keep_the_metadata_and_nothing_else(fake_mode):

@@ -118,34 +118,42 @@ def _tensors(value) -> list[torch.Tensor] | None:
     return [] if value is None or isinstance(value, (int, float, bool, torch.SymInt, torch.SymFloat)) else None
 
 
-def _fresh_like(value):
-    """Fake tensors with ``value``'s metadata and storages of their own (under the fake mode)."""
+def _fresh_like(value, bases: dict | None = None):
+    """Fake tensors with ``value``'s metadata in storages of their own (under the fake mode); outputs
+    that shared a storage share a fresh one, at the same offsets (a piece's q, k and v are views of
+    one projection), so what the plan reads of aliasing holds for them as for a run."""
+    bases = {} if bases is None else bases
     if isinstance(value, torch.Tensor):
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
-                                   requires_grad=value.requires_grad)
+        ref = _torch_internals.storage_ref(value)
+        if ref not in bases:
+            numel = value.untyped_storage().nbytes() // value.element_size()
+            bases[ref] = torch.empty(numel, dtype=value.dtype, device=value.device)
+        out = bases[ref].as_strided(value.shape, value.stride(), value.storage_offset())
+        return out.requires_grad_(value.requires_grad) if value.requires_grad else out
     if type(value) in (list, tuple):
-        return type(value)(_fresh_like(v) for v in value)
+        return type(value)(_fresh_like(v, bases) for v in value)
     return value
-
-
-def _at_offset_zero(t: torch.Tensor) -> bool:
-    offset = t.storage_offset()  # a symbolic one is not compared: that would add a guard
-    return isinstance(offset, int) and offset == 0
 
 
 def _fresh_outputs_suffice(out, fake_args: list) -> bool:
     """Can a piece with the same code on inputs of the same metadata take fresh copies of ``out``
-    instead of being run? Only if every output tensor is dense, at offset 0, in a storage of its own
-    (none an input's, none another output's), and every symbol in ``out`` is one of the inputs' (a
-    symbol made inside, by ``.item()``, would be another one in another piece)."""
+    instead of being run? Only if every output tensor is strided at a constant offset, no output is
+    in an input's storage, outputs sharing a storage share its dtype, and every symbol in ``out``
+    (its storages' sizes too) is one of the inputs' (a symbol made inside, by ``.item()``, would be
+    another one in another piece). Running the piece again on fakes costs a fake dispatch per op:
+    most of a build without Inductor, were each layer's piece run again."""
     tensors = _tensors(out)
-    if tensors is None or any(t.layout != torch.strided or not _at_offset_zero(t) for t in tensors):
+    if tensors is None or any(t.layout != torch.strided or not isinstance(t.storage_offset(), int) for t in tensors):
         return False
     storages = [_torch_internals.storage_ref(t) for t in tensors]
     inputs = {_torch_internals.storage_ref(t) for t in fake_args if isinstance(t, torch.Tensor)} - {None}
-    if any(ref is None for ref in storages) or len(set(storages)) != len(storages) or inputs & set(storages):
+    if any(ref is None for ref in storages) or inputs & set(storages):
         return False
-    return value_symbols(out) <= value_symbols(list(fake_args))
+    dtypes = {}
+    if any(dtypes.setdefault(ref, t.dtype) != t.dtype for ref, t in zip(storages, tensors)):
+        return False
+    sizes = [t.untyped_storage().nbytes() for t in tensors]
+    return value_symbols([out, sizes]) <= value_symbols(list(fake_args))
 
 
 @dataclasses.dataclass(frozen=True)

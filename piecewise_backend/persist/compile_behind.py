@@ -60,33 +60,45 @@ def job_of(plan: GraphPlan, hints: dict) -> dict:
 
 
 class CompileBehind:
-    """A worker process compiling one graph's pieces; its result posted to ``deliver``."""
+    """A worker process compiling one graph's pieces; its result posted to ``deliver``.
 
-    def __init__(self, job: dict, attention_ops: frozenset):
-        self.job = {**job, "attention_ops": attention_ops}
+    The process starts when the build does (:meth:`spawn`), so importing torch and warming
+    Inductor's compile pool there overlap the split; the job is written to it once the plan is made
+    (:meth:`start`), or the process is ended (:meth:`cancel`) when there is nothing to compile."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process = process
         self.thread: threading.Thread | None = None
 
-    def start(self, deliver, plan: GraphPlan, label: str) -> None:
+    @classmethod
+    def spawn(cls) -> "CompileBehind":
+        return cls(subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=dict(os.environ)))
+
+    def cancel(self) -> None:
+        self.process.kill()
+        self.process.communicate()
+
+    def start(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
         compiled_as = dict(plan.report.compiled_as)
-        self.thread = threading.Thread(target=self._run, args=(deliver, compiled_as, label), daemon=True,
+        payload = pickle.dumps({**job, "attention_ops": attention_ops})
+        self.thread = threading.Thread(target=self._run, args=(payload, deliver, compiled_as, label), daemon=True,
                                        name=f"piecewise-compile-behind-{label}")
         self.thread.start()
 
-    def _run(self, deliver, compiled_as: dict, label: str) -> None:
+    def _run(self, payload: bytes, deliver, compiled_as: dict, label: str) -> None:
         started = time.perf_counter()
         try:
-            done = subprocess.run([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
-                                  input=pickle.dumps(self.job), capture_output=True, timeout=TIMEOUT_S,
-                                  env=dict(os.environ))
-            if done.returncode != 0:
-                raise RuntimeError(done.stderr.decode(errors="replace")[-800:])
-            result = pickle.loads(done.stdout)
+            stdout, stderr = self.process.communicate(input=payload, timeout=TIMEOUT_S)
+            if self.process.returncode != 0:
+                raise RuntimeError(stderr.decode(errors="replace")[-800:])
+            result = pickle.loads(stdout)
         except Exception as exc:  # noqa: BLE001 - whatever fails, the traced code keeps serving
+            self.process.kill()
             warnings.warn(f"piecewise: graph {label}: compiling behind failed ({type(exc).__name__}: {exc}); "
                           f"it keeps running its traced code", stacklevel=1)
             return
-        finally:
-            self.job = {}
         seconds = time.perf_counter() - started
         result["pieces"] = compiled_as
         log.info("piecewise: graph %s: compiled behind in %.1f s (%d Inductor compiles)", label, seconds,

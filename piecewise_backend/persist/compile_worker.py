@@ -1,6 +1,6 @@
 """The worker process of ``compile_behind.py``: compile pieces with Inductor, hand back saved artifacts.
 
-Reads a job (pickled) on stdin: each distinct piece's FX code, its inputs described, a hint per
+Started when the build starts; warms Inductor's compile pool, then reads a job (pickled) on stdin: each distinct piece's FX code, its inputs described, a hint per
 symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of the job), compiles each
 piece as a cold build would (``PieceCompiler``: many-layer pieces layer by layer), under the
 settings torch's AOT route compiles with (so the code can be saved), and writes on stdout the
@@ -38,6 +38,7 @@ def compile_job(job: dict) -> dict:
 
 
 def main() -> None:
+    internals.warm_compile_workers()  # while the job is still being planned (started with the build)
     job = pickle.loads(sys.stdin.buffer.read())
     result = compile_job(job)
     sys.stdout.buffer.write(pickle.dumps(result))

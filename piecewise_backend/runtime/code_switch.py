@@ -1,4 +1,4 @@
-"""Compiled code arriving while a graph serves (``compiling/compile_behind.py``), switched in between calls.
+"""Compiled code arriving while a graph serves (``persist/compile_behind.py``), switched in between calls.
 
 The background compile hands over every compute piece's code at once (:meth:`CodeSwitch.post`,
 one assignment: safe from any thread). The next call, before it runs anything, takes the graph's
