@@ -173,7 +173,8 @@ def child(args) -> None:
     report(row)
 
 
-CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "dynamo-only": "none (nothing compiled)", "inductor": "cold (empty Inductor/Triton caches)",
+CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "dynamo-only": "none (nothing compiled)",
+          "inductor": "cold (empty Inductor/Triton caches)",
           "no-inductor": "cold (empty caches)", "save": "cold (empty caches); writes the artifact",
           "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)"}
 

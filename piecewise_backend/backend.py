@@ -82,15 +82,13 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
             compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
             del run  # fake values of every intermediate: the plan keeps none
         graph = register(SaveableGraph(plan, config, compiled))
-    except BaseException:
-        if behind is not None:
+        if behind is not None and plan.pieces and plan.graphs_disabled_reason is None:
+            behind.start(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)), _attention_ops(config),
+                         graph.code_switch.post, plan, str(graph.serial))
+            behind = None  # its thread owns the process now
+    finally:
+        if behind is not None:  # the build failed, or there is nothing to compile
             behind.cancel()
-        raise
-    if behind is not None and plan.pieces and plan.graphs_disabled_reason is None:
-        behind.start(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)), _attention_ops(config),
-                     graph.code_switch.post, plan, str(graph.serial))
-    elif behind is not None:
-        behind.cancel()
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph

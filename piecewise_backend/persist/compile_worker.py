@@ -1,7 +1,7 @@
 """The worker process of ``compile_behind.py``: compile pieces with Inductor, hand back saved artifacts.
 
-Started when the build starts; warms Inductor's compile pool, then reads a job (pickled) on stdin: each distinct piece's FX code, its inputs described, a hint per
-symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of the job), compiles each
+Started when the build starts; warms Inductor's compile pool, then reads a job (pickled) on stdin:
+each distinct piece's FX code, its inputs described, a hint per symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of the job), compiles each
 piece as a cold build would (``PieceCompiler``: many-layer pieces layer by layer), under the
 settings torch's AOT route compiles with (so the code can be saved), and writes on stdout the
 pieces' code as ``piece_code.save_code`` describes it, the artifacts, and any guard Inductor added.
