@@ -70,25 +70,22 @@ def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[s
 
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
     started = time.perf_counter()
-    behind = CompileBehind.spawn() if config.compiler == "eager_then_inductor" else None  # starts now: see its docstring
-    try:
-        with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
-            inputs = _rewrite(gm, example_inputs, config)
-            split = _split(inputs, config)
-            compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config),
-                                     inductor=config.compiler == "inductor")
-            run = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs, compiler)
-            plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
-            compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
-            del run  # fake values of every intermediate: the plan keeps none
-        graph = register(SaveableGraph(plan, config, compiled))
-        if behind is not None and plan.pieces and plan.graphs_disabled_reason is None:
-            behind.start(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)), _attention_ops(config),
-                         graph.code_switch.post, plan, str(graph.serial))
-            behind = None  # its thread owns the process now
-    finally:
-        if behind is not None:  # the build failed, or there is nothing to compile
-            behind.cancel()
+    serve_first = config.compiler == "eager_then_inductor"
+    if serve_first and any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
+        CompileBehind.shared()  # started now, to import and warm while this build runs: see its docstring
+    with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
+        inputs = _rewrite(gm, example_inputs, config)
+        split = _split(inputs, config)
+        compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config),
+                                 inductor=config.compiler == "inductor")
+        run = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs, compiler)
+        plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
+        compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
+        del run  # fake values of every intermediate: the plan keeps none
+    graph = register(SaveableGraph(plan, config, compiled))
+    if serve_first and plan.pieces and plan.graphs_disabled_reason is None:  # else: nothing to switch to
+        CompileBehind.shared().submit(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
+                                      _attention_ops(config), graph.code_switch.post, plan, str(graph.serial))
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph

@@ -92,13 +92,21 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     from piecewise_backend.persist import compile_behind
 
     release = threading.Event()
-    real_run = compile_behind.CompileBehind._run
+    real_submit = compile_behind.CompileBehind.submit
 
     def held(self, *args):
-        release.wait(120)
-        real_run(self, *args)
+        threading.Thread(target=lambda: (release.wait(120), real_submit(self, *args)), daemon=True).start()
 
-    monkeypatch.setattr(compile_behind.CompileBehind, "_run", held)
+    monkeypatch.setattr(compile_behind.CompileBehind, "submit", held)
+    monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
+    workers = []
+    real_init = compile_behind.CompileBehind.__init__
+
+    def counted(self):
+        workers.append(self)
+        real_init(self)
+
+    monkeypatch.setattr(compile_behind.CompileBehind, "__init__", counted)
     torch._dynamo.reset()
     start = last_serial()
     model = _engine_model()
@@ -127,3 +135,29 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     assert all(g.runners[name].fn is g.compiled_code[name] is not None for g in graphs for name in g.runners)
     assert sum(g.stats.replays + g.stats.full_replays for g in graphs) > sum(before.values())
     assert any(e.call > calls[g.serial] for g in graphs for e in g.stats.events)  # captured again after it
+    assert len(graphs) == 2 and len(workers) == 1  # one worker compiled both graphs, one after the other
+
+
+def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_the_next(monkeypatch):
+    """One worker serves the process's graphs one job after another: a job it cannot compile is
+    answered with the worker's error (a warning; the graph keeps its traced code), and it lives on."""
+    import types
+
+    from piecewise_backend.persist import compile_behind
+
+    monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
+    worker = compile_behind.CompileBehind.shared()
+    plan = types.SimpleNamespace(report=types.SimpleNamespace(compiled_as={}))
+    delivered = []
+    with pytest.warns(UserWarning) as seen:
+        for label in ("first", "second"):
+            worker.submit({"pieces": {"submod_0": (b"not a pickle", [])}, "hints": {}}, frozenset(),
+                          delivered.append, plan, label)
+        deadline = time.time() + 120
+        while len([w for w in seen if "compiling behind failed" in str(w.message)]) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+    failed = [str(w.message) for w in seen if "compiling behind failed" in str(w.message)]
+    assert len(failed) == 2 and not delivered, failed
+    assert all("UnpicklingError" in m and "keeps running its traced code" in m for m in failed), failed
+    assert compile_behind.CompileBehind.shared() is worker and worker.process.poll() is None
+    worker.stop()

@@ -13,6 +13,13 @@ while it is set, any call into a ``torch.compile``'d function on another thread 
 that you are using FX to symbolically trace a dynamo-optimized function" (seen here with a thread:
 ``benchmarks/README.md``). A process has its own flag, and its own GIL: serving is not slowed by it.
 
+Why one worker for the whole process, its jobs one after another: a serving process builds several
+graphs (a prefill and a decode graph, several models), mostly of the same layers. One worker at a
+time lets a later graph's pieces hit Inductor's caches the earlier one filled, and keeps to one pool
+of compile processes; one worker per graph, all at once, compiled the same layers twice over, every
+worker's pool competing for the cores with each other and with the serving process. The worker
+runs at a lower CPU priority than the process it serves (``compile_worker.py``).
+
 What the worker gets is run-time values only: each distinct piece's FX code (as torch pickles a
 ``GraphModule``), its inputs described (``plan.types.TensorSpec``) and a hint for each symbol; it
 makes fake inputs of its own. Inductor may assume something of a size while compiling (a guard, such
@@ -23,21 +30,24 @@ one runs the piece's traced code (``runtime/code_switch.py``).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import pickle
+import queue
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import warnings
 
 from ..plan.types import GraphPlan, SymSpec, TensorSpec
+from .frames import read_frame, write_frame
 from .piece_code import ArtifactTable, load_code
 
 log = logging.getLogger(__name__)
-TIMEOUT_S = 3600  # a worker that takes longer is given up on (the graph keeps its traced code)
 
 
 def _symbols(specs) -> set:
@@ -60,51 +70,68 @@ def job_of(plan: GraphPlan, hints: dict) -> dict:
 
 
 class CompileBehind:
-    """A worker process compiling one graph's pieces; its result posted to ``deliver``.
+    """The process's one compile worker, and the thread that feeds it jobs in the order they came.
 
-    The process starts when the build does (:meth:`spawn`), so importing torch and warming
-    Inductor's compile pool there overlap the split; the job is written to it once the plan is made
-    (:meth:`start`), or the process is ended (:meth:`cancel`) when there is nothing to compile."""
+    :meth:`shared` starts it when the first graph's build starts, so importing torch and warming
+    Inductor's compile pool there overlap the trace and the split; :meth:`submit` queues a graph's
+    job once its plan is made. A worker that died is started again by the next build."""
 
-    def __init__(self, process: subprocess.Popen):
-        self.process = process
-        self.thread: threading.Thread | None = None
+    _lock = threading.Lock()
+    _shared: "CompileBehind | None" = None
 
-    @classmethod
-    def spawn(cls) -> "CompileBehind":
-        return cls(subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=dict(os.environ)))
-
-    def cancel(self) -> None:
-        self.process.kill()
-        self.process.communicate()
-
-    def start(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
-        compiled_as = dict(plan.report.compiled_as)
-        payload = pickle.dumps({**job, "attention_ops": attention_ops})
-        self.thread = threading.Thread(target=self._run, args=(payload, deliver, compiled_as, label), daemon=True,
-                                       name=f"piecewise-compile-behind-{label}")
+    def __init__(self):
+        self.stderr = tempfile.TemporaryFile()  # read back only to say why the worker died
+        self.process = subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+                                        env=dict(os.environ))
+        self.jobs: queue.Queue = queue.Queue()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._serve, daemon=True, name="piecewise-compile-behind")
         self.thread.start()
 
-    def _run(self, payload: bytes, deliver, compiled_as: dict, label: str) -> None:
-        started = time.perf_counter()
-        try:
-            stdout, stderr = self.process.communicate(input=payload, timeout=TIMEOUT_S)
-            if self.process.returncode != 0:
-                raise RuntimeError(stderr.decode(errors="replace")[-800:])
-            result = pickle.loads(stdout)
-        except Exception as exc:  # noqa: BLE001 - whatever fails, the traced code keeps serving
-            self.process.kill()
-            warnings.warn(f"piecewise: graph {label}: compiling behind failed ({type(exc).__name__}: {exc}); "
-                          f"it keeps running its traced code", stacklevel=1)
-            return
-        seconds = time.perf_counter() - started
-        result["pieces"] = compiled_as
-        log.info("piecewise: graph %s: compiled behind in %.1f s (%d Inductor compiles)", label, seconds,
-                 result["compiles"])
-        deliver({"load": functools.partial(loaded_code, result), "seconds": seconds,
-                 "compiles": result["compiles"], "guards": result["guards"]})
+    @classmethod
+    def shared(cls) -> "CompileBehind":
+        with cls._lock:
+            if cls._shared is None or cls._shared.process.poll() is not None:
+                cls._shared = cls()
+                atexit.register(cls._shared.stop)
+            return cls._shared
+
+    def stop(self) -> None:
+        """End the worker (at exit: a compile nobody will switch to is not finished)."""
+        self.stopping = True
+        self.process.kill()
+        self.process.wait()
+
+    def submit(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
+        self.jobs.put(({**job, "attention_ops": attention_ops}, deliver, dict(plan.report.compiled_as), label, time.perf_counter()))
+
+    def _serve(self) -> None:
+        while True:
+            job, deliver, compiled_as, label, queued = self.jobs.get()
+            try:
+                write_frame(self.process.stdin, job)
+                result = read_frame(self.process.stdout)
+                if "error" in result:
+                    raise RuntimeError(result["error"])
+            except Exception as exc:  # noqa: BLE001 - whatever fails, the traced code keeps serving
+                if not self.stopping:
+                    warnings.warn(f"piecewise: graph {label}: compiling behind failed ({type(exc).__name__}: "
+                                  f"{exc}{self._died()}); it keeps running its traced code", stacklevel=1)
+                continue
+            seconds = time.perf_counter() - queued
+            result["pieces"] = compiled_as
+            log.info("piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, %d Inductor compiles)",
+                     label, seconds, result["seconds"], result["compiles"])
+            deliver({"load": functools.partial(loaded_code, result), "seconds": result["seconds"],
+                     "compiles": result["compiles"], "guards": result["guards"]})
+
+    def _died(self) -> str:
+        if self.process.poll() is None:
+            return ""
+        self.stderr.seek(0)
+        tail = self.stderr.read().decode(errors="replace")[-800:]
+        return f"; the worker exited with {self.process.returncode}: {tail}"
 
 
 def loaded_code(result: dict) -> dict:

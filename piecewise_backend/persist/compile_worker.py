@@ -1,26 +1,38 @@
 """The worker process of ``compile_behind.py``: compile pieces with Inductor, hand back saved artifacts.
 
-Started when the build starts; warms Inductor's compile pool, then reads a job (pickled) on stdin:
-each distinct piece's FX code, its inputs described, a hint per symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of the job), compiles each
-piece as a cold build would (``PieceCompiler``: many-layer pieces layer by layer), under the
-settings torch's AOT route compiles with (so the code can be saved), and writes on stdout the
-pieces' code as ``piece_code.save_code`` describes it, the artifacts, and any guard Inductor added.
+Started when the process's first graph build starts; warms Inductor's compile pool, then reads jobs
+(``frames.py``) on stdin until it closes: each job a graph's distinct pieces' FX code, their inputs
+described, a hint per symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of
+the job), compiles each piece as a cold build would (``PieceCompiler``: many-layer pieces layer by
+layer), under the settings torch's AOT route compiles with (so the code can be saved), and writes
+back the pieces' code as ``piece_code.save_code`` describes it, the artifacts, and any guard
+Inductor added; a job that fails is answered with its error, and the next one is read.
+
+It runs at a lower CPU priority (its compile pool inherits it): the process it serves is serving,
+and the compile is what should wait for a core.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
+import time
+import traceback
 
 import torch
 
 from .. import _torch_internals as internals
 from ..compiling.piece_compiler import PieceCompiler
 from . import _torch_internals
+from .frames import read_frame, write_frame
 from .piece_code import ArtifactTable, save_code
+
+NICENESS = 10
 
 
 def compile_job(job: dict) -> dict:
+    started = time.perf_counter()
     fake_mode, shape_env, symbols = _torch_internals.fresh_fake_mode(job["hints"])
     guards_before = len(shape_env.guards)
     compiler = PieceCompiler(fake_mode, frozenset(), job["attention_ops"], inductor=True)
@@ -34,15 +46,27 @@ def compile_job(job: dict) -> dict:
             piece, _ = compiler.compile(name, gm, fakes, keep_eager=False)
             code[name] = save_code(piece.fn, name, table)
     return {"code": code, "artifacts": table.saved, "compiles": compiler.inductor_compiles,
+            "seconds": time.perf_counter() - started,
             "guards": [_torch_internals.in_their_symbols(g.expr, symbols) for g in shape_env.guards[guards_before:]]}
 
 
 def main() -> None:
-    internals.warm_compile_workers()  # while the job is still being planned (started with the build)
-    job = pickle.loads(sys.stdin.buffer.read())
-    result = compile_job(job)
-    sys.stdout.buffer.write(pickle.dumps(result))
-    sys.stdout.flush()
+    results = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the pipe back; fd 1 now goes to stderr,
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # so nothing printed can corrupt a result
+    jobs = sys.stdin.buffer
+    if hasattr(os, "nice"):
+        os.nice(NICENESS)
+    internals.warm_compile_workers()  # while the first job is still being planned
+    while True:
+        try:
+            job = read_frame(jobs)
+        except EOFError:  # the serving process closed the pipe (or exited)
+            return
+        try:
+            result = compile_job(job)
+        except Exception:  # noqa: BLE001 - the job's graph keeps its traced code; say why
+            result = {"error": traceback.format_exc(limit=8)[-1500:]}
+        write_frame(results, result)
 
 
 if __name__ == "__main__":

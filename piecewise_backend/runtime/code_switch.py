@@ -60,6 +60,7 @@ class CodeSwitch:
             delivery, self._pending = self._pending, None
             if delivery is None:  # another thread switched first
                 return
+            loading = time.perf_counter()
             code = delivery["load"]()
             for name, fn in code.items():
                 runner = graph.runners[name]
@@ -69,6 +70,7 @@ class CodeSwitch:
             stats = graph.stats
             stats.code_switches += 1
             stats.switched_at = time.perf_counter()
+            stats.switch_load_seconds += stats.switched_at - loading
             stats.inductor_compiles += delivery["compiles"]
             stats.inductor_seconds += delivery["seconds"]
         log.info("piecewise: graph %d: switched to Inductor's code (compiled behind in %.1f s); %d shape keys "
