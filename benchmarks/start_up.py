@@ -143,7 +143,6 @@ def _serve_across_the_switch(engine, args, vocab: int) -> dict:
             "tpot_median_ms": round(statistics.median(_tpots(after)), 2) if after else None,
             "switched_s": round(max(at) - _STARTED, 2) if len(at) == len([g for g in graphs if g.plan.pieces]) else None,
             "switch_step_ms": round(max(steps), 2) if steps else None,
-            "switch_load_s": round(sum(g.stats.switch_load_seconds for g in graphs), 2),
             "requests_before": len(before), "requests_after": len(after), **_times()}
 
 

@@ -99,12 +99,13 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
 
     monkeypatch.setattr(compile_behind.CompileBehind, "submit", held)
     monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
+    monkeypatch.setattr(compile_behind, "WORKERS", 2)  # a graph's pieces spread over two processes
     workers = []
     real_init = compile_behind.CompileBehind.__init__
 
-    def counted(self):
+    def counted(self, *args):
         workers.append(self)
-        real_init(self)
+        real_init(self, *args)
 
     monkeypatch.setattr(compile_behind.CompileBehind, "__init__", counted)
     torch._dynamo.reset()
@@ -135,18 +136,18 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     assert all(g.runners[name].fn is g.compiled_code[name] is not None for g in graphs for name in g.runners)
     assert sum(g.stats.replays + g.stats.full_replays for g in graphs) > sum(before.values())
     assert any(e.call > calls[g.serial] for g in graphs for e in g.stats.events)  # captured again after it
-    assert len(graphs) == 2 and len(workers) == 1  # one worker compiled both graphs, one after the other
+    assert len(graphs) == 2 and len(workers) == 1 and len(workers[0].workers) == 2  # one pool for both graphs
 
 
 def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_the_next(monkeypatch):
-    """One worker serves the process's graphs one job after another: a job it cannot compile is
+    """A worker serves the process's graphs one piece after another: a piece it cannot compile is
     answered with the worker's error (a warning; the graph keeps its traced code), and it lives on."""
     import types
 
     from piecewise_backend.persist import compile_behind
 
-    monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
-    worker = compile_behind.CompileBehind.shared()
+    worker = compile_behind.CompileBehind(workers=1)
+    pid = worker.workers[0].process.pid
     plan = types.SimpleNamespace(report=types.SimpleNamespace(compiled_as={}))
     delivered = []
     with pytest.warns(UserWarning) as seen:
@@ -159,5 +160,5 @@ def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_th
     failed = [str(w.message) for w in seen if "compiling behind failed" in str(w.message)]
     assert len(failed) == 2 and not delivered, failed
     assert all("UnpicklingError" in m and "keeps running its traced code" in m for m in failed), failed
-    assert compile_behind.CompileBehind.shared() is worker and worker.process.poll() is None
+    assert worker.workers[0].process.poll() is None and worker.workers[0].process.pid == pid
     worker.stop()

@@ -13,12 +13,13 @@ while it is set, any call into a ``torch.compile``'d function on another thread 
 that you are using FX to symbolically trace a dynamo-optimized function" (seen here with a thread:
 ``benchmarks/README.md``). A process has its own flag, and its own GIL: serving is not slowed by it.
 
-Why one worker for the whole process, its jobs one after another: a serving process builds several
-graphs (a prefill and a decode graph, several models), mostly of the same layers. One worker at a
-time lets a later graph's pieces hit Inductor's caches the earlier one filled, and keeps to one pool
-of compile processes; one worker per graph, all at once, compiled the same layers twice over, every
-worker's pool competing for the cores with each other and with the serving process. The worker
-runs at a lower CPU priority than the process it serves (``compile_worker.py``).
+Why a few workers for the whole process, fed piece by piece: a graph's distinct pieces (its first,
+middle and last layers, say) compile independently, and Inductor's lowering of one is single-threaded
+Python, so they compile side by side in ``WORKERS`` processes (each with its share of the cores for
+Triton's kernels); graphs queue their pieces in the order they were built. An earlier design, one
+worker per graph each compiling all its pieces, all at once, with a full pool each, took twice the
+in-process compile time (``benchmarks/README.md``). The workers run at a lower CPU priority than the
+process they serve (``compile_worker.py``): it is serving.
 
 What the worker gets is run-time values only: each distinct piece's FX code (as torch pickles a
 ``GraphModule``), its inputs described (``plan.types.TensorSpec``) and a hint for each symbol; it
@@ -31,7 +32,6 @@ one runs the piece's traced code (``runtime/code_switch.py``).
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
 import pickle
@@ -69,73 +69,153 @@ def job_of(plan: GraphPlan, hints: dict) -> dict:
             "hints": {sym: int(hints[sym]) if sym in hints else None for sym in symbols}}  # None: unbacked
 
 
-class CompileBehind:
-    """The process's one compile worker, and the thread that feeds it jobs in the order they came.
+WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))  # processes compiling at once (pieces spread over them)
 
-    :meth:`shared` starts it when the first graph's build starts, so importing torch and warming
-    Inductor's compile pool there overlap the trace and the split; :meth:`submit` queues a graph's
-    job once its plan is made. A worker that died is started again by the next build."""
+
+class CompileBehind:
+    """The process's compile workers, each fed by a thread of its own from one queue of pieces.
+
+    :meth:`shared` starts them when the first graph's build starts, so importing torch and warming
+    Inductor's compile pools there overlap the trace and the split; :meth:`submit` queues a graph's
+    distinct pieces once its plan is made, one task each, in the order graphs came. A graph's code is
+    loaded here, off the serving path, once its last piece is back; then posted to its switch. A
+    worker found dead is started again for its next task."""
 
     _lock = threading.Lock()
     _shared: "CompileBehind | None" = None
 
-    def __init__(self):
-        self.stderr = tempfile.TemporaryFile()  # read back only to say why the worker died
-        self.process = subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-                                        env=dict(os.environ))
-        self.jobs: queue.Queue = queue.Queue()
+    def __init__(self, workers: int | None = None):
+        self.tasks: queue.Queue = queue.Queue()
         self.stopping = False
-        self.thread = threading.Thread(target=self._serve, daemon=True, name="piecewise-compile-behind")
-        self.thread.start()
+        count = workers or WORKERS
+        threads = max(1, (os.cpu_count() or 1) // count)  # the workers' Inductor pools share the cores
+        self.env = {"TORCHINDUCTOR_COMPILE_THREADS": str(threads), **os.environ}
+        self.workers = [_Worker(self.env) for _ in range(count)]
+        for i, worker in enumerate(self.workers):
+            threading.Thread(target=self._feed, args=(worker,), daemon=True,
+                             name=f"piecewise-compile-behind-{i}").start()
 
     @classmethod
     def shared(cls) -> "CompileBehind":
         with cls._lock:
-            if cls._shared is None or cls._shared.process.poll() is not None:
+            if cls._shared is None:
                 cls._shared = cls()
                 atexit.register(cls._shared.stop)
             return cls._shared
 
     def stop(self) -> None:
-        """End the worker (at exit: a compile nobody will switch to is not finished)."""
+        """End the workers (at exit: a compile nobody will switch to is not finished)."""
         self.stopping = True
+        for worker in self.workers:
+            worker.stop()
+
+    def submit(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
+        pending = _PendingGraph(deliver, dict(plan.report.compiled_as), label, len(job["pieces"]))
+        for name, piece in job["pieces"].items():
+            self.tasks.put(({"pieces": {name: piece}, "hints": job["hints"], "attention_ops": attention_ops},
+                            pending))
+
+    def _feed(self, worker: "_Worker") -> None:
+        while True:
+            task, pending = self.tasks.get()
+            try:
+                result = worker.compile(task)
+            except Exception as exc:  # noqa: BLE001 - whatever fails, the traced code keeps serving
+                pending.failed(exc if not self.stopping else None)
+                continue
+            pending.done(result)
+
+
+class _Worker:
+    """One worker process (``compile_worker.py``), started again if it died."""
+
+    def __init__(self, env: dict):
+        self.env = env
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        self.stderr = tempfile.TemporaryFile()  # read back only to say why the worker died
+        return subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env)
+
+    def compile(self, task: dict) -> dict:
+        if self.process.poll() is not None:
+            self.process = self._start()
+        try:
+            write_frame(self.process.stdin, task)
+            result = read_frame(self.process.stdout)
+        except (OSError, EOFError) as exc:
+            raise RuntimeError(f"{exc}{self._died()}") from None
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        return result
+
+    def stop(self) -> None:
         self.process.kill()
         self.process.wait()
 
-    def submit(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
-        self.jobs.put(({**job, "attention_ops": attention_ops}, deliver, dict(plan.report.compiled_as), label, time.perf_counter()))
-
-    def _serve(self) -> None:
-        while True:
-            job, deliver, compiled_as, label, queued = self.jobs.get()
-            try:
-                write_frame(self.process.stdin, job)
-                result = read_frame(self.process.stdout)
-                if "error" in result:
-                    raise RuntimeError(result["error"])
-            except Exception as exc:  # noqa: BLE001 - whatever fails, the traced code keeps serving
-                if not self.stopping:
-                    warnings.warn(f"piecewise: graph {label}: compiling behind failed ({type(exc).__name__}: "
-                                  f"{exc}{self._died()}); it keeps running its traced code", stacklevel=1)
-                continue
-            seconds = time.perf_counter() - queued
-            result["pieces"] = compiled_as
-            log.info("piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, %d Inductor compiles)",
-                     label, seconds, result["seconds"], result["compiles"])
-            deliver({"load": functools.partial(loaded_code, result), "seconds": result["seconds"],
-                     "compiles": result["compiles"], "guards": result["guards"]})
-
     def _died(self) -> str:
-        if self.process.poll() is None:
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # alive: the pipe broke for another reason
             return ""
         self.stderr.seek(0)
         tail = self.stderr.read().decode(errors="replace")[-800:]
         return f"; the worker exited with {self.process.returncode}: {tail}"
 
 
-def loaded_code(result: dict) -> dict:
-    """Every compute piece's compiled code from the worker's result (pieces of the same code share it)."""
-    table = ArtifactTable(result["artifacts"])
-    firsts = {name: load_code(saved, table) for name, saved in result["code"].items()}
-    return {name: firsts[first] for name, first in result["pieces"].items()}
+class _PendingGraph:
+    """One graph's pieces out at the workers; when the last is back, its code is loaded and posted."""
+
+    def __init__(self, deliver, compiled_as: dict, label: str, pieces: int):
+        self.deliver, self.compiled_as, self.label = deliver, compiled_as, label
+        self.lock = threading.Lock()
+        self.left, self.results, self.errors = pieces, [], []
+        self.started = time.perf_counter()
+
+    def done(self, result: dict) -> None:
+        self._one_back(result, None)
+
+    def failed(self, exc: Exception | None) -> None:
+        """``exc`` None: the workers were stopped (the process is exiting): nothing to say."""
+        self._one_back(None, exc)
+
+    def _one_back(self, result: dict | None, error: Exception | None) -> None:
+        with self.lock:
+            if result is not None:
+                self.results.append(result)
+            else:
+                self.errors.append(error)
+            self.left -= 1
+            if self.left:
+                return
+        said = [e for e in self.errors if e is not None]
+        if said:
+            warnings.warn(f"piecewise: graph {self.label}: compiling behind failed ({type(said[0]).__name__}: "
+                          f"{said[0]}); it keeps running its traced code", stacklevel=1)
+        if not self.errors:
+            self._post()
+
+    def _post(self) -> None:
+        compiled = time.perf_counter()
+        try:
+            code = loaded_code(self.results, self.compiled_as)
+        except Exception as exc:  # noqa: BLE001 - an artifact that does not load: keep the traced code
+            warnings.warn(f"piecewise: graph {self.label}: the code compiled behind did not load "
+                          f"({type(exc).__name__}: {exc}); it keeps running its traced code", stacklevel=1)
+            return
+        seconds = sum(r["seconds"] for r in self.results)
+        log.info("piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, over %d pieces), loaded in "
+                 "%.1f s", self.label, compiled - self.started, seconds, len(self.results),
+                 time.perf_counter() - compiled)
+        self.deliver({"code": code, "seconds": seconds, "compiles": sum(r["compiles"] for r in self.results),
+                      "guards": [g for r in self.results for g in r["guards"]]})
+
+
+def loaded_code(results: list, compiled_as: dict) -> dict:
+    """Every compute piece's compiled code from the workers' results (pieces of the same code share it)."""
+    firsts = {}
+    for result in results:
+        table = ArtifactTable(result["artifacts"])
+        firsts.update({name: load_code(saved, table) for name, saved in result["code"].items()})
+    return {name: firsts[first] for name, first in compiled_as.items()}

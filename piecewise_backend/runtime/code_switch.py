@@ -49,9 +49,9 @@ class CodeSwitch:
         return self._pending is not None
 
     def post(self, delivery: dict) -> None:
-        """``delivery``: ``{"load": () -> {piece: callable}, "seconds": float, "compiles": int, "guards":
-        what the compiler assumed of the sizes (sympy relations in this graph's symbols)}``; loading
-        runs in the switching call (artifacts are loaded where they run)."""
+        """``delivery``: ``{"code": {piece: callable}, "seconds": float, "compiles": int, "guards": what
+        the compiler assumed of the sizes (sympy relations in this graph's symbols)}``; the code is
+        loaded already (by the compile-behind thread, off the serving path: the switch only points)."""
         self._pending = delivery
 
     def apply(self, graph) -> None:
@@ -60,8 +60,7 @@ class CodeSwitch:
             delivery, self._pending = self._pending, None
             if delivery is None:  # another thread switched first
                 return
-            loading = time.perf_counter()
-            code = delivery["load"]()
+            code = delivery["code"]
             for name, fn in code.items():
                 runner = graph.runners[name]
                 runner.fn = _checked(fn, runner.eager_fn, runner.arg_specs, delivery["guards"])
@@ -70,7 +69,6 @@ class CodeSwitch:
             stats = graph.stats
             stats.code_switches += 1
             stats.switched_at = time.perf_counter()
-            stats.switch_load_seconds += stats.switched_at - loading
             stats.inductor_compiles += delivery["compiles"]
             stats.inductor_seconds += delivery["seconds"]
         log.info("piecewise: graph %d: switched to Inductor's code (compiled behind in %.1f s); %d shape keys "

@@ -55,7 +55,6 @@ class GraphStats:
     loaded: bool = False  # built from a saved artifact (``persist/``): no trace, no compile
     code_switches: int = 0  # switches to code compiled behind (``compiler="eager_then_inductor"``)
     switched_at: float | None = None  # ``time.perf_counter()`` of the last switch
-    switch_load_seconds: float = 0.0  # loading the compiled code, in the calls that switched
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
