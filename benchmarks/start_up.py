@@ -31,6 +31,11 @@ Variants:
   ``switched_s`` (process start to the last switch), ``switch_step_ms`` (the slowest step of the
   ones that switched and captured again). That tokens stay right across the switch is checked in
   fp32, where eager's tokens are the reference (``tests/test_start_up.py``, ``tests/test_cuda_start_up.py``).
+  ``behind``: per graph, when (seconds from process start) its pieces were submitted, the workers
+  that compiled them were ready, the first piece started, the last came back, the code was loaded
+  and the graph switched. ``$PIECEWISE_COMPILE_WORKERS`` sets the number of workers;
+* ``serve-first-prestarted``: the same, with ``piecewise_backend.start_compile_workers()`` called
+  before the model is built (the workers' start overlaps the model's load and Dynamo's trace).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from __future__ import annotations
 import time
 
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
+_STARTED_WALL = time.time()  # the same moment on the clock the compile workers share
 
 import argparse  # noqa: E402
 import json  # noqa: E402
@@ -55,9 +61,10 @@ from child_rows import child_row, report  # noqa: E402
 from serving import CONFIGS, build  # noqa: E402
 from toys import engine as toy  # noqa: E402
 
-VARIANTS = ("eager", "breakable-cuda-graphs", "dynamo-only", "inductor", "no-inductor", "save", "warm", "serve-first")
+VARIANTS = ("eager", "breakable-cuda-graphs", "dynamo-only", "inductor", "no-inductor", "save", "warm", "serve-first",
+            "serve-first-prestarted")
 COMPILERS = {"inductor": "inductor", "no-inductor": "eager", "save": "inductor", "warm": "inductor",
-             "serve-first": "eager_then_inductor"}
+             "serve-first": "eager_then_inductor", "serve-first-prestarted": "eager_then_inductor"}
 PROMPT, OUTPUT = 1000, 100
 
 
@@ -143,6 +150,8 @@ def _serve_across_the_switch(engine, args, vocab: int) -> dict:
             "tpot_median_ms": round(statistics.median(_tpots(after)), 2) if after else None,
             "switched_s": round(max(at) - _STARTED, 2) if len(at) == len([g for g in graphs if g.plan.pieces]) else None,
             "switch_step_ms": round(max(steps), 2) if steps else None,
+            "behind": [{step: round(at - _STARTED_WALL, 2) for step, at in g.stats.behind_timeline.items()}
+                       for g in graphs if g.stats.behind_timeline],
             "requests_before": len(before), "requests_after": len(after), **_times()}
 
 
@@ -150,6 +159,10 @@ def child(args) -> None:
     variant = args.variant
     try:
         device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
+        if variant == "serve-first-prestarted":
+            import piecewise_backend
+
+            piecewise_backend.start_compile_workers()  # the recipe's first line: workers start as the model loads
         model = build(args.config, variant, device, dtype)
         probe = _engine(model, None, args, device, dtype)
         forward, load_s = _forward(model, variant, args, probe.example_calls)
@@ -159,8 +172,10 @@ def child(args) -> None:
             torch.cuda.synchronize()
         row = {"variant": variant, "caches": args.caches, "startup_s": round(time.perf_counter() - _STARTED, 2),
                **_times(), "load_s": round(load_s, 2)}
-        if variant == "serve-first":
-            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab))
+        if variant.startswith("serve-first"):
+            from piecewise_backend.persist.compile_behind import worker_count
+
+            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab), compile_workers=worker_count())
         else:
             row["tpot_median_ms"] = round(statistics.median(_tpots(_one_at_a_time(engine, args.requests,
                                                                                   model.cfg.vocab, 0))), 2)
@@ -176,7 +191,8 @@ def child(args) -> None:
 CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "dynamo-only": "none (nothing compiled)",
           "inductor": "cold (empty Inductor/Triton caches)",
           "no-inductor": "cold (empty caches)", "save": "cold (empty caches); writes the artifact",
-          "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)"}
+          "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)",
+          "serve-first-prestarted": "cold (empty caches)"}
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from .kinds import CaptureHow, GraphMode, Miss, PieceKind
 from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
 from .observe.reports import capture_table, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
+from .persist.compile_behind import start_compile_workers
 from .persist.warm_start import load, save
 from .plan.emulation import emulated_graphs
 from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
@@ -57,4 +58,5 @@ __all__ = [
     "GraphMode",
     "save",
     "load",
+    "start_compile_workers",
 ]

@@ -99,7 +99,7 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
 
     monkeypatch.setattr(compile_behind.CompileBehind, "submit", held)
     monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
-    monkeypatch.setattr(compile_behind, "WORKERS", 2)  # a graph's pieces spread over two processes
+    monkeypatch.setenv("PIECEWISE_COMPILE_WORKERS", "2")  # a graph's pieces spread over two processes
     workers = []
     real_init = compile_behind.CompileBehind.__init__
 
@@ -137,6 +137,9 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     assert sum(g.stats.replays + g.stats.full_replays for g in graphs) > sum(before.values())
     assert any(e.call > calls[g.serial] for g in graphs for e in g.stats.events)  # captured again after it
     assert len(graphs) == 2 and len(workers) == 1 and len(workers[0].workers) == 2  # one pool for both graphs
+    for g in graphs:  # the steps of the compile behind, in their order
+        t = g.stats.behind_timeline
+        assert t["submitted"] <= t["first_piece"] <= t["compiled"] <= t["loaded"] <= t["switched"], t
 
 
 def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_the_next(monkeypatch):
@@ -162,3 +165,18 @@ def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_th
     assert all("UnpicklingError" in m and "keeps running its traced code" in m for m in failed), failed
     assert worker.workers[0].process.poll() is None and worker.workers[0].process.pid == pid
     worker.stop()
+
+
+def test_compile_workers_start_once_in_the_number_the_environment_asks(monkeypatch):
+    from piecewise_backend.persist import compile_behind
+
+    monkeypatch.setattr(compile_behind.CompileBehind, "_shared", None)
+    monkeypatch.setenv("PIECEWISE_COMPILE_WORKERS", "none")
+    with pytest.raises(ValueError, match="PIECEWISE_COMPILE_WORKERS='none': give a whole number"):
+        piecewise_backend.start_compile_workers()
+    monkeypatch.setenv("PIECEWISE_COMPILE_WORKERS", "1")
+    piecewise_backend.start_compile_workers()
+    first = compile_behind.CompileBehind._shared
+    piecewise_backend.start_compile_workers()
+    assert compile_behind.CompileBehind._shared is first and len(first.workers) == 1
+    first.stop()

@@ -69,7 +69,28 @@ def job_of(plan: GraphPlan, hints: dict) -> dict:
             "hints": {sym: int(hints[sym]) if sym in hints else None for sym in symbols}}  # None: unbacked
 
 
-WORKERS = max(1, min(4, (os.cpu_count() or 1) // 4))  # processes compiling at once (pieces spread over them)
+WORKERS_VARIABLE = "PIECEWISE_COMPILE_WORKERS"  # the environment's say in how many processes compile at once
+
+
+def worker_count() -> int:
+    """``$PIECEWISE_COMPILE_WORKERS``, else one per four cores, at most four."""
+    value = os.environ.get(WORKERS_VARIABLE, "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"piecewise: {WORKERS_VARIABLE}={value!r}: give a whole number of worker processes, "
+                             f"1 or more (or unset it: one per four cores, at most four)")
+        return int(value)
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def start_compile_workers() -> None:
+    """Start the compile workers of ``compiler="eager_then_inductor"`` now, not at the first build.
+
+    A worker's start is a Python process importing torch: seconds. The first build happens after
+    Dynamo's trace, so the workers started then are ready only seconds after it; started at the top
+    of a serving process, they start while the model loads. Idempotent; the workers are shared by
+    every graph of the process."""
+    CompileBehind.shared()
 
 
 class CompileBehind:
@@ -87,7 +108,7 @@ class CompileBehind:
     def __init__(self, workers: int | None = None):
         self.tasks: queue.Queue = queue.Queue()
         self.stopping = False
-        count = workers or WORKERS
+        count = workers or worker_count()
         threads = max(1, (os.cpu_count() or 1) // count)  # the workers' Inductor pools share the cores
         self.env = {"TORCHINDUCTOR_COMPILE_THREADS": str(threads), **os.environ}
         self.workers = [_Worker(self.env) for _ in range(count)]
@@ -171,7 +192,7 @@ class _PendingGraph:
         self.deliver, self.compiled_as, self.label = deliver, compiled_as, label
         self.lock = threading.Lock()
         self.left, self.results, self.errors = pieces, [], []
-        self.started = time.perf_counter()
+        self.submitted = time.time()
 
     def done(self, result: dict) -> None:
         self._one_back(result, None)
@@ -197,7 +218,7 @@ class _PendingGraph:
             self._post()
 
     def _post(self) -> None:
-        compiled = time.perf_counter()
+        compiled = time.time()
         try:
             code = loaded_code(self.results, self.compiled_as)
         except Exception as exc:  # noqa: BLE001 - an artifact that does not load: keep the traced code
@@ -205,11 +226,14 @@ class _PendingGraph:
                           f"({type(exc).__name__}: {exc}); it keeps running its traced code", stacklevel=1)
             return
         seconds = sum(r["seconds"] for r in self.results)
+        timeline = {"submitted": self.submitted, "workers_ready": max(r["ready_at"] for r in self.results),
+                    "first_piece": min(r["started_at"] for r in self.results), "compiled": compiled,
+                    "loaded": time.time()}  # wall clock (``time.time()``): the workers' clocks are other processes'
         log.info("piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, over %d pieces), loaded in "
-                 "%.1f s", self.label, compiled - self.started, seconds, len(self.results),
-                 time.perf_counter() - compiled)
+                 "%.1f s", self.label, compiled - self.submitted, seconds, len(self.results),
+                 timeline["loaded"] - compiled)
         self.deliver({"code": code, "seconds": seconds, "compiles": sum(r["compiles"] for r in self.results),
-                      "guards": [g for r in self.results for g in r["guards"]]})
+                      "guards": [g for r in self.results for g in r["guards"]], "timeline": timeline})
 
 
 def loaded_code(results: list, compiled_as: dict) -> dict:

@@ -32,7 +32,7 @@ NICENESS = 10
 
 
 def compile_job(job: dict) -> dict:
-    started = time.perf_counter()
+    started_at, started = time.time(), time.perf_counter()
     fake_mode, shape_env, symbols = _torch_internals.fresh_fake_mode(job["hints"])
     guards_before = len(shape_env.guards)
     compiler = PieceCompiler(fake_mode, frozenset(), job["attention_ops"], inductor=True)
@@ -46,7 +46,7 @@ def compile_job(job: dict) -> dict:
             piece, _ = compiler.compile(name, gm, fakes, keep_eager=False)
             code[name] = save_code(piece.fn, name, table)
     return {"code": code, "artifacts": table.saved, "compiles": compiler.inductor_compiles,
-            "seconds": time.perf_counter() - started,
+            "seconds": time.perf_counter() - started, "started_at": started_at,
             "guards": [_torch_internals.in_their_symbols(g.expr, symbols) for g in shape_env.guards[guards_before:]]}
 
 
@@ -57,6 +57,7 @@ def main() -> None:
     if hasattr(os, "nice"):
         os.nice(NICENESS)
     internals.warm_compile_workers()  # while the first job is still being planned
+    ready_at = time.time()  # torch imported, the pool starting
     while True:
         try:
             job = read_frame(jobs)
@@ -66,7 +67,7 @@ def main() -> None:
             result = compile_job(job)
         except Exception:  # noqa: BLE001 - the job's graph keeps its traced code; say why
             result = {"error": traceback.format_exc(limit=8)[-1500:]}
-        write_frame(results, result)
+        write_frame(results, {**result, "ready_at": ready_at})
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ class CodeSwitch:
             stats = graph.stats
             stats.code_switches += 1
             stats.switched_at = time.perf_counter()
+            stats.behind_timeline = {**delivery.get("timeline", {}), "switched": time.time()}
             stats.inductor_compiles += delivery["compiles"]
             stats.inductor_seconds += delivery["seconds"]
         log.info("piecewise: graph %d: switched to Inductor's code (compiled behind in %.1f s); %d shape keys "

@@ -55,6 +55,7 @@ class GraphStats:
     loaded: bool = False  # built from a saved artifact (``persist/``): no trace, no compile
     code_switches: int = 0  # switches to code compiled behind (``compiler="eager_then_inductor"``)
     switched_at: float | None = None  # ``time.perf_counter()`` of the last switch
+    behind_timeline: dict | None = None  # the last switch's compile behind: its steps' ``time.time()``
     calls: int = 0
     graphs_disabled_reason: str | None = None  # why this graph never captures, if it never does
     padding: str = ""  # what is padded, or why nothing is
