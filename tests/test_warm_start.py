@@ -142,3 +142,10 @@ def test_a_call_in_another_dtype_is_not_run_on_the_artifact_but_compiled_and_rig
     assert [w for w in caught if "does not fit the saved compiled function" in str(w.message)]
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, model(x))
+
+
+def test_saving_a_forward_of_torchs_own_module_class_is_refused_naming_the_fix(tmp_path):
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="wrap the model in a module class of your own"):
+        piecewise_backend.save(torch.nn.Linear(8, 8).forward, (torch.randn(2, 8),), str(tmp_path / "linear.bin"),
+                               options={"compiler": "eager"})
+    assert not (tmp_path / "linear.bin").exists()

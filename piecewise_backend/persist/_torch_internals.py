@@ -98,7 +98,15 @@ _FORMAT = "piecewise-warm-start-1"
 
 def write_functions(path: str, functions: list) -> None:
     """Save ``aot_compile`` results (one per graph Dynamo made of the function) in one file."""
-    data = [type(fn).serialize(fn).serialized_data for fn in functions]
+    try:
+        data = [type(fn).serialize(fn).serialized_data for fn in functions]
+    except RuntimeError as exc:  # torch's words (2.11, 2.13): "Failed to serialize the following objects"
+        if "Failed to serialize" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"piecewise: torch's AOT route cannot save this compiled function ({str(exc).splitlines()[0]}). "
+            f"The forward of one of torch's own module classes (nn.Linear, nn.Sequential, ...) is not saveable: "
+            f"wrap the model in a module class of your own whose forward calls it, and save that forward.") from None
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         pickle.dump({"format": _FORMAT, "functions": data}, f)
