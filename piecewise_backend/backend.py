@@ -71,8 +71,9 @@ def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[s
 def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfig) -> CompiledGraph:
     started = time.perf_counter()
     serve_first = config.compiler == "eager_then_inductor"
-    if serve_first and any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
-        CompileBehind.shared()  # started now, to import and warm while this build runs: see its docstring
+    device = next((str(v.device) for v in example_inputs if isinstance(v, torch.Tensor)), None)
+    if serve_first and device is not None and device.startswith("cuda"):
+        CompileBehind.shared(device)  # started now, to import and warm while this build runs: see its docstring
     with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
         inputs = _rewrite(gm, example_inputs, config)
         split = _split(inputs, config)
@@ -84,8 +85,8 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         del run  # fake values of every intermediate: the plan keeps none
     graph = register(SaveableGraph(plan, config, compiled))
     if serve_first and plan.pieces and plan.graphs_disabled_reason is None:  # else: nothing to switch to
-        CompileBehind.shared().submit(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
-                                      _attention_ops(config), graph.code_switch.post, plan, str(graph.serial))
+        CompileBehind.shared(device).submit(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
+                                            _attention_ops(config), graph.code_switch.post, plan, str(graph.serial))
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph

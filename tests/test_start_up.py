@@ -103,9 +103,9 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     workers = []
     real_init = compile_behind.CompileBehind.__init__
 
-    def counted(self, *args):
+    def counted(self, *args, **kwargs):
         workers.append(self)
-        real_init(self, *args)
+        real_init(self, *args, **kwargs)
 
     monkeypatch.setattr(compile_behind.CompileBehind, "__init__", counted)
     torch._dynamo.reset()

@@ -43,6 +43,8 @@ import threading
 import time
 import warnings
 
+import torch
+
 from ..plan.types import GraphPlan, SymSpec, TensorSpec
 from .frames import read_frame, write_frame
 from .piece_code import ArtifactTable, load_code
@@ -83,14 +85,15 @@ def worker_count() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
-def start_compile_workers() -> None:
+def start_compile_workers(device: str | None = None) -> None:
     """Start the compile workers of ``compiler="eager_then_inductor"`` now, not at the first build.
 
     A worker's start is a Python process importing torch: seconds. The first build happens after
     Dynamo's trace, so the workers started then are ready only seconds after it; started at the top
     of a serving process, they start while the model loads. Idempotent; the workers are shared by
-    every graph of the process."""
-    CompileBehind.shared()
+    every graph of the process. ``device``: what the pieces will run on (default: CUDA if there
+    is one), for the tiny compile each worker warms Inductor with."""
+    CompileBehind.shared(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 class CompileBehind:
@@ -105,22 +108,23 @@ class CompileBehind:
     _lock = threading.Lock()
     _shared: "CompileBehind | None" = None
 
-    def __init__(self, workers: int | None = None):
+    def __init__(self, workers: int | None = None, device: str | None = None):
         self.tasks: queue.Queue = queue.Queue()
         self.stopping = False
         count = workers or worker_count()
         threads = max(1, (os.cpu_count() or 1) // count)  # the workers' Inductor pools share the cores
         self.env = {"TORCHINDUCTOR_COMPILE_THREADS": str(threads), **os.environ}
-        self.workers = [_Worker(self.env) for _ in range(count)]
+        self.workers = [_Worker(self.env, device) for _ in range(count)]
         for i, worker in enumerate(self.workers):
             threading.Thread(target=self._feed, args=(worker,), daemon=True,
                              name=f"piecewise-compile-behind-{i}").start()
 
     @classmethod
-    def shared(cls) -> "CompileBehind":
+    def shared(cls, device: str | None = None) -> "CompileBehind":
+        """The process's workers, started now if not yet (``device``: see :func:`start_compile_workers`)."""
         with cls._lock:
             if cls._shared is None:
-                cls._shared = cls()
+                cls._shared = cls(device=device)
                 atexit.register(cls._shared.stop)
             return cls._shared
 
@@ -150,13 +154,14 @@ class CompileBehind:
 class _Worker:
     """One worker process (``compile_worker.py``), started again if it died."""
 
-    def __init__(self, env: dict):
-        self.env = env
+    def __init__(self, env: dict, device: str | None):
+        self.env, self.device = env, device  # None: no warm-up compile
         self.process = self._start()
 
     def _start(self) -> subprocess.Popen:
         self.stderr = tempfile.TemporaryFile()  # read back only to say why the worker died
-        return subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker"],
+        return subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker",
+                                 *([self.device] if self.device else [])],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env)
 
     def compile(self, task: dict) -> dict:

@@ -1,6 +1,7 @@
 """The worker process of ``compile_behind.py``: compile pieces with Inductor, hand back saved artifacts.
 
-Started when the process's first graph build starts; warms Inductor's compile pool, then reads jobs
+Started when the process's first graph build starts; warms Inductor's compile pool and Inductor
+itself (a tiny compile on the device named on its command line), then reads jobs
 (``frames.py``) on stdin until it closes: each job a graph's distinct pieces' FX code, their inputs
 described, a hint per symbol. Makes fake inputs in a fake mode of its own (one symbol per symbol of
 the job), compiles each piece as a cold build would (``PieceCompiler``: many-layer pieces layer by
@@ -57,7 +58,12 @@ def main() -> None:
     if hasattr(os, "nice"):
         os.nice(NICENESS)
     internals.warm_compile_workers()  # while the first job is still being planned
-    ready_at = time.time()  # torch imported, the pool starting
+    if len(sys.argv) > 1:  # the device its pieces will be compiled for
+        try:
+            _torch_internals.warm_inductor(sys.argv[1])
+        except Exception:  # noqa: BLE001 - a warm-up that fails leaves the cost to the first piece
+            traceback.print_exc()
+    ready_at = time.time()  # torch imported, Inductor warmed
     while True:
         try:
             job = read_frame(jobs)
