@@ -30,6 +30,7 @@
 #   bash benchmarks/run_device.sh start-up [ARGS...]  # start_up.py ARGS: the engine's start-up routes (eager,
 #                                                   #   Inductor, no Inductor, saved/loaded, serve-first), each cold
 #   bash benchmarks/run_device.sh entry [ARGS...]   # dynamo_entry.py ARGS: Dynamo's per-call cost, guard filters
+#   bash benchmarks/run_device.sh serve-first-sweep  # serve-first per worker count and pre-started (not recorded)
 #   bash benchmarks/run_device.sh hf-startup [ARGS...]  # hf_startup.py ARGS: first generate() cold, warm, new shapes
 #   bash benchmarks/run_device.sh tp-tests          # two GPUs: tests/test_tensor_parallel.py (torchrun + NCCL too)
 #   bash benchmarks/run_device.sh tp-hf [ARGS...]   # two GPUs: hf_tensor_parallel.py ARGS, fp32 tokens then bf16 ms
@@ -142,6 +143,16 @@ case "$part" in
     timeout "${SUITE_TIMEOUT:-560}" python benchmarks/start_up.py --out "$OUT/start_up.json" "$@" 2>&1 \
       | tee "$OUT/start_up.log" | grep '^{"variant'
     record --start-up "$OUT/start_up.json" ;;
+  serve-first-sweep)
+    # serve-first per worker count (PIECEWISE_COMPILE_WORKERS; "" = the default) and started with the
+    # process, beside eager and Inductor cold: $OUT/sweep_<variant>_<workers>.json, not recorded
+    timeout 100 python benchmarks/start_up.py --out "$OUT/sweep_reference.json" --variants eager,inductor "$@" \
+      2>&1 | grep '^{"variant'
+    for run in "serve-first 1" "serve-first 2" "serve-first-prestarted " "serve-first-prestarted 1"; do
+      set -- $run
+      PIECEWISE_COMPILE_WORKERS=${2:-} timeout 120 python benchmarks/start_up.py --out "$OUT/sweep_$1_${2:-default}.json" \
+        --variants "$1" --child-timeout 110 --switch-timeout 80 2>&1 | grep '^{"variant'
+    done ;;
   hf-startup)
     timeout "${SUITE_TIMEOUT:-560}" python benchmarks/hf_startup.py --out "$OUT/hf_startup.json" "$@" 2>&1 \
       | tee "$OUT/hf_startup.log" | grep '^{'
