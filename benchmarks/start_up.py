@@ -121,6 +121,20 @@ def _times() -> dict:
     return {k: round(v, 2) for k, v in out.items()}
 
 
+def _gpu_mib_by_process() -> dict | None:
+    """Device memory per process (nvidia-smi), this one and the compile workers: what a worker's
+    CUDA context costs a server."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
+    return {("self" if int(pid) == os.getpid() else pid.strip()): int(mib) for pid, mib in rows}
+
+
 def _one_at_a_time(engine, n: int, vocab: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     engine.finished.clear()  # run() returns every finished request: only these
@@ -175,7 +189,8 @@ def child(args) -> None:
         if variant.startswith("serve-first"):
             from piecewise_backend.persist.compile_behind import worker_count
 
-            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab), compile_workers=worker_count())
+            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab), compile_workers=worker_count(),
+                       gpu_mib_by_process=_gpu_mib_by_process())
         else:
             row["tpot_median_ms"] = round(statistics.median(_tpots(_one_at_a_time(engine, args.requests,
                                                                                   model.cfg.vocab, 0))), 2)
