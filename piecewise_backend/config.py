@@ -107,7 +107,7 @@ class PiecewiseConfig:
             ``"eager"``: the piece's FX code as Dynamo traced it, no compiler: start-up is Dynamo's
             trace, the split and the captures; captured, padded and replayed exactly the same.
             ``"eager_then_inductor"``: serve on the FX code at once while Inductor compiles the
-            pieces in a worker process; each graph switches to the compiled code between two
+            pieces in worker processes; each graph switches to the compiled code between two
             calls, all its pieces at once, and captures again (``persist/compile_behind.py``).
         eager_sdpa_backends: the SDPA kernels the eager attention pieces may use while the graph
             runs (``runtime/sdpa_backends.py``). ``"auto"``: cuDNN attention off when an eager SDPA
