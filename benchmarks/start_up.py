@@ -131,8 +131,9 @@ def _gpu_mib_by_process() -> dict | None:
                              capture_output=True, text=True, timeout=20).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
-    return {("self" if int(pid) == os.getpid() else pid.strip()): int(mib) for pid, mib in rows}
+    rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+    return {("self" if int(row[0]) == os.getpid() else row[0]): int(row[1])
+            for row in rows if len(row) == 2 and row[0].isdigit() and row[1].isdigit()}  # "[N/A]" in some containers
 
 
 def _one_at_a_time(engine, n: int, vocab: int, seed: int) -> list:

@@ -45,28 +45,18 @@ import warnings
 
 import torch
 
-from ..plan.types import GraphPlan, SymSpec, TensorSpec
+from ..plan.types import GraphPlan
+from ..runtime.symbolic import spec_symbols
 from .frames import read_frame, write_frame
 from .piece_code import ArtifactTable, load_code
 
 log = logging.getLogger(__name__)
 
 
-def _symbols(specs) -> set:
-    out = set()
-    for spec in specs:
-        if isinstance(spec, TensorSpec):
-            for size in (*spec.shape, *spec.strides):
-                out |= set(getattr(size, "free_symbols", ()))
-        elif isinstance(spec, SymSpec):
-            out |= set(getattr(spec.expr, "free_symbols", ()))
-    return out
-
-
 def job_of(plan: GraphPlan, hints: dict) -> dict:
     """What the worker needs: each distinct piece's FX code and described inputs, a hint per symbol."""
     firsts = sorted({first for first in plan.report.compiled_as.values()})
-    symbols = set().union(*(_symbols(plan.pieces[name].arg_specs) for name in firsts)) if firsts else set()
+    symbols = set().union(*(spec_symbols(plan.pieces[name].arg_specs) for name in firsts))
     return {"pieces": {name: (pickle.dumps(plan.program.piece(name)), plan.pieces[name].arg_specs) for name in firsts},
             "hints": {sym: int(hints[sym]) if sym in hints else None for sym in symbols}}  # None: unbacked
 
@@ -196,7 +186,7 @@ class _PendingGraph:
     def __init__(self, deliver, compiled_as: dict, label: str, pieces: int):
         self.deliver, self.compiled_as, self.label = deliver, compiled_as, label
         self.lock = threading.Lock()
-        self.left, self.results, self.errors = pieces, [], []
+        self.pieces, self.results, self.errors = pieces, [], []
         self.submitted = time.time()
 
     def done(self, result: dict) -> None:
@@ -212,8 +202,7 @@ class _PendingGraph:
                 self.results.append(result)
             else:
                 self.errors.append(error)
-            self.left -= 1
-            if self.left:
+            if len(self.results) + len(self.errors) < self.pieces:
                 return
         said = [e for e in self.errors if e is not None]
         if said:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from ..plan.types import SymSpec, TensorSpec
-from .symbolic import symbol_values
+from .symbolic import spec_symbols, symbol_values
 
 log = logging.getLogger(__name__)
 
@@ -22,9 +21,7 @@ log = logging.getLogger(__name__)
 def _checked(compiled, traced, specs, guards: list):
     """``compiled``, or ``traced`` for a call whose sizes break an assumption the compiler made (of
     the assumptions over this piece's symbols: checked where they can be, conservatively)."""
-    mine = set().union(*(getattr(size, "free_symbols", set()) for spec in specs if isinstance(spec, TensorSpec)
-                         for size in (*spec.shape, *spec.strides)), *(getattr(spec.expr, "free_symbols", set())
-                                                                      for spec in specs if isinstance(spec, SymSpec)))
+    mine = spec_symbols(specs)
     own = [g for g in guards if g.free_symbols <= mine]
     if not own:
         return compiled

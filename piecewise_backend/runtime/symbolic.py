@@ -24,6 +24,18 @@ def evaluate(expr, values: dict) -> int:
     return int(result)
 
 
+def spec_symbols(specs) -> set:
+    """Every symbol the described inputs' sizes, strides and SymInts are written in."""
+    out = set()
+    for spec in specs:
+        if isinstance(spec, TensorSpec):
+            for size in (*spec.shape, *spec.strides):
+                out |= set(getattr(size, "free_symbols", ()))
+        elif isinstance(spec, SymSpec):
+            out |= set(getattr(spec.expr, "free_symbols", ()))
+    return out
+
+
 def _is_symbol(size) -> bool:
     return getattr(size, "is_Symbol", False)
 
