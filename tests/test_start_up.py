@@ -174,6 +174,8 @@ def test_compile_workers_start_once_in_the_number_the_environment_asks(monkeypat
     monkeypatch.setenv("PIECEWISE_COMPILE_WORKERS", "none")
     with pytest.raises(ValueError, match="PIECEWISE_COMPILE_WORKERS='none': give a whole number"):
         piecewise_backend.start_compile_workers()
+    monkeypatch.delenv("PIECEWISE_COMPILE_WORKERS")
+    assert compile_behind.worker_count() == 1  # one, unless asked: each worker holds a CUDA context
     monkeypatch.setenv("PIECEWISE_COMPILE_WORKERS", "1")
     piecewise_backend.start_compile_workers()
     first = compile_behind.CompileBehind._shared

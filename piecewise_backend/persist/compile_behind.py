@@ -65,14 +65,18 @@ WORKERS_VARIABLE = "PIECEWISE_COMPILE_WORKERS"  # the environment's say in how m
 
 
 def worker_count() -> int:
-    """``$PIECEWISE_COMPILE_WORKERS``, else one per four cores, at most four."""
+    """``$PIECEWISE_COMPILE_WORKERS``, else one.
+
+    One worker given every core for Inductor's own compile pool switched a graph as soon as four
+    did, with a quarter of the device memory (each worker holds a CUDA context); more help a process
+    whose several graphs would otherwise wait in line."""
     value = os.environ.get(WORKERS_VARIABLE, "")
     if value:
         if not value.isdigit() or int(value) < 1:
             raise ValueError(f"piecewise: {WORKERS_VARIABLE}={value!r}: give a whole number of worker processes, "
-                             f"1 or more (or unset it: one per four cores, at most four)")
+                             f"1 or more (or unset it: one)")
         return int(value)
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return 1
 
 
 def start_compile_workers(device: str | None = None) -> None:
