@@ -76,6 +76,7 @@ ARCHS = {  # config class, model class, what the architecture adds
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),  # fused QKV and gate/up projections
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 512}),  # 5 sliding layers : 1 full
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),  # multipliers on embeddings, residuals, logits
 }
 
 
@@ -99,7 +100,11 @@ def model_config(key: str):
 
 
 VARIANTS = ("eager", "eager-static", "compile-default", "hf-static-reduce-overhead", "piecewise-dynamic",
-            "piecewise-static", "piecewise-compile-config")
+            "piecewise-static", "piecewise-compile-config", "piecewise-static-second-call")
+# A user's second generate() with a new max_new_tokens: transformers makes a new static cache, at new
+# addresses and of a new length (Dynamo compiles again, with the length a symbol). Timed once, after
+# one generate() of a quarter of the tokens (record.py files its rows under "hf_second_call").
+SECOND_CALL = "piecewise-static-second-call"
 PROMPT = 16
 
 
@@ -134,7 +139,7 @@ def prepare(variant: str, model, eager_forward) -> dict:
     static = "static" in variant or variant.endswith("compile-config")
     kwargs = {"cache_implementation": "static"} if static else {}
     model.generation_config.disable_compile = variant not in ("hf-static-reduce-overhead", "piecewise-compile-config")
-    if variant in ("compile-default", "piecewise-dynamic", "piecewise-static"):
+    if variant in ("compile-default", "piecewise-dynamic", "piecewise-static", SECOND_CALL):
         model.forward = torch.compile(eager_forward, **({"backend": "piecewise"} if "piecewise" in variant else {}))
     if variant == "hf-static-reduce-overhead":
         kwargs["compile_config"] = transformers.CompileConfig()
@@ -155,10 +160,17 @@ def run(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]:
     return out[:, ids.shape[1]:], (steps[-1] - steps[1]) * 1e3 / (len(steps) - 2)
 
 
-def measure(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]:
+def measure(model, ids, tokens: int, kwargs: dict, second_call: bool = False) -> tuple[torch.Tensor, float, dict]:
+    """Tokens, ms per decode step (the better of two runs after a warm-up), and facts of the run."""
+    if second_call:  # the first call at another length compiles and captures; the second is the one timed
+        run(model, ids, max(3, tokens // 4), kwargs)
+        start = time.perf_counter()
+        out, ms = run(model, ids, tokens, kwargs)  # its steps from the second on: Dynamo's new graphs come before
+        whole = (time.perf_counter() - start) * 1e3 / tokens
+        return out, ms, {"call_ms_per_token": round(whole, 3)}  # the whole call, its compile included
     out, _ = run(model, ids, tokens, kwargs)  # compiles and captures
     times = [run(model, ids, tokens, kwargs)[1] for _ in range(2)]
-    return out, min(times)
+    return out, min(times), {}
 
 
 def token_agreement(out: torch.Tensor, reference: torch.Tensor) -> float:
@@ -236,7 +248,8 @@ def _measure_row(row: dict, model, ids, kwargs: dict, failure: str | None, refer
         if failure:
             raise RuntimeError(failure)
         calls_before = graph_calls() if "piecewise" in variant else None
-        out, ms = measure(model, ids, row["tokens"], kwargs)
+        out, ms, facts = measure(model, ids, row["tokens"], kwargs, second_call=variant == SECOND_CALL)
+        row.update(facts)
         if variant == "eager":
             reference.setdefault(batch, out)
         times = row.setdefault("ms_rounds", [])

@@ -159,7 +159,7 @@ def _row(row: dict, model, ids, kwargs: dict, reference: torch.Tensor | None, ea
     against the whole model's; a row that raises says why (the other rows still run)."""
     start, calls_before = time.perf_counter(), hf_generate.graph_calls()
     try:
-        out, ms = hf_generate.measure(model, ids, row["tokens"], kwargs)
+        out, ms, _ = hf_generate.measure(model, ids, row["tokens"], kwargs)
     except Exception as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}"[:800]}
     row.update(seconds=round(time.perf_counter() - start, 1), ms_per_token=round(ms, 3))

@@ -156,8 +156,11 @@ def main() -> None:
         result["moved_weights"] = {**json.loads(pathlib.Path(args.moved_weights).read_text()), "code_hash": digest}
     if args.hf:
         hf = json.loads(pathlib.Path(args.hf).read_text())
-        result["hf"] = merge_rows(result.get("hf", []), hf["hf"], ("model", "layers", "cache", "batch", "variant"),
-                                  digest)
+        key = ("model", "layers", "cache", "batch", "variant")
+        second = [r for r in hf["hf"] if r["variant"].endswith("second-call")]  # hf_generate.SECOND_CALL
+        result["hf"] = merge_rows(result.get("hf", []), [r for r in hf["hf"] if r not in second], key, digest)
+        if second:
+            result["hf_second_call"] = merge_rows(result.get("hf_second_call", []), second, key, digest)
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
     if args.threads:
         result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}

@@ -654,3 +654,52 @@ def toy_request(i, prompt, output, arrival):
     request = Request(i, prompt, len(output), arrival, list(output))
     request.token_times = [101.0 + arrival + 0.5 * k for k in range(len(output))]
     return request
+
+
+def test_second_call_rows_are_filed_as_hf_second_call(tmp_path):
+    """``hf_generate.py``'s second-call variant (a new static cache length in a second ``generate()``)
+    goes to its own key; the other rows stay under ``"hf"``."""
+    import json
+
+    rows = [{"model": "granite", "layers": 28, "cache": "static", "batch": 1, "variant": v, "ms_per_token": ms}
+            for v, ms in (("eager", 20.0), ("piecewise-static-second-call", 5.0))]
+    hf = tmp_path / "hf.json"
+    hf.write_text(json.dumps({"hf": rows, "torch": "2.13", "transformers": "5.17"}))
+    out = tmp_path / "h200.json"
+    _run_script(["record.py", "--hf", str(hf), "--previous", str(tmp_path / "none.json"), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["hf"]] == ["eager"]
+    assert [r["variant"] for r in result["hf_second_call"]] == ["piecewise-static-second-call"]
+    assert result["hf_second_call"][0]["code_hash"] == result["hf"][0]["code_hash"]
+
+
+def test_hf_generate_second_call_times_a_generate_with_a_new_static_cache_length():
+    """``piecewise-static-second-call``: a first ``generate()`` at a quarter of the tokens, then the
+    timed one (a new static cache, new length): eager's tokens, and the whole call's time beside the
+    per-step one (graphs emulated: the decode steps are served by them)."""
+    pytest.importorskip("transformers")
+    import hf_generate
+
+    import piecewise_backend
+
+    rows: list = []
+    with piecewise_backend.emulated_graphs():
+        hf_generate.bench_model("tiny", [1], 8, ["eager", hf_generate.SECOND_CALL], rows, lambda: None, "cpu")
+    second = rows[1]
+    assert second["variant"] == hf_generate.SECOND_CALL and second["cache"] == "static", second
+    assert second["token_agreement"] == 1.0 and second["call_ms_per_token"] >= second["ms_per_token"] > 0, second
+    assert second["replays"] > 0 and second["ungraphed_runs"] == 0, second
+
+
+def test_hybrid_check_row_says_tokens_and_the_share_of_decode_calls_graphed():
+    """``hybrid_check.py``'s row on CPU (graphs emulated; no Inductor, for time)."""
+    pytest.importorskip("transformers")
+    import hybrid_check
+
+    import piecewise_backend
+
+    with piecewise_backend.emulated_graphs():
+        row = hybrid_check.check("exaone4", "dynamic", 3, 4, 6, "cpu", "eager")  # sliding, sliding, full
+    assert row["same_tokens"] and row["decode_calls"] == 10, row
+    assert row["decode_share_graphed"] >= 0.9 and row["captures"] > 0, row
+    assert row["layer_types"].count("sliding_attention") >= 1, row

@@ -43,6 +43,8 @@ def _config(arch: str, layers: int, hidden: int):
                                          **common), transformers.Gemma2ForCausalLM
     if arch == "qwen3":  # q/k norms
         return transformers.Qwen3Config(head_dim=hidden // 8, **common), transformers.Qwen3ForCausalLM
+    if arch == "granite":  # the issue's second-call model: multipliers on embeddings, residuals and logits
+        return transformers.GraniteConfig(**common), transformers.GraniteForCausalLM
     if arch == "phi3":  # fused QKV and gate/up projections
         return transformers.Phi3Config(pad_token_id=0, **common), transformers.Phi3ForCausalLM
     if arch == "gpt2":
@@ -315,6 +317,30 @@ def test_many_generate_calls_with_the_static_cache_keep_replaying(device):
     assert all(later - earlier >= 5 for earlier, later in zip(replays, replays[1:])), (replays, decode.stats.summary())
     assert decode.stats.weight_sets == 7 and decode.stats.weight_sets_replaced == 3, decode.stats.summary()
     assert decode.stats.misses[Miss.WEIGHTS_MOVED] == 3, decode.stats.summary()
+
+
+@pytest.mark.usefixtures("emulated_graphs")
+def test_a_second_generate_with_a_new_static_cache_length_is_served_by_graphs():
+    """``generate(max_new_tokens=n)`` with the static cache and no ``max_cache_len``: each call's cache
+    is new, at new addresses and ``prompt + n`` long. Dynamo compiles again for the second length (the
+    length a symbol from then on), and the second and third calls' decode steps are graphed: all but
+    each call's first decode step, which meets the new graph or the new cache."""
+    torch._dynamo.reset()
+    start = last_serial()
+    model = _model("granite", "cpu")
+    model.generation_config.eos_token_id = None  # every call makes all its tokens
+    eager_forward = model.forward
+    compiled = torch.compile(eager_forward, backend="piecewise", options={"compiler": "eager"})
+    ids = torch.randint(0, 256, (1, PROMPT), generator=torch.Generator().manual_seed(0))
+    for new_tokens in (4, 16, 10):
+        model.forward = eager_forward
+        theirs = _generate(model, ids, new_tokens, cache_implementation="static")
+        model.forward = compiled
+        served = {g.serial: sum(g.stats.graph_calls.values()) for g in graphs_since(start)}
+        assert torch.equal(_generate(model, ids, new_tokens, cache_implementation="static"), theirs)
+        graphs = graphs_since(start)
+        now_served = sum(sum(g.stats.graph_calls.values()) - served.get(g.serial, 0) for g in graphs)
+        assert now_served >= new_tokens - 1, [g.stats.summary() for g in graphs]  # of a prefill, new_tokens - 1 decode steps
 
 
 @pytest.mark.usefixtures("emulated_graphs")

@@ -69,7 +69,13 @@ def main() -> None:
     parser.add_argument("--concurrent-calls", type=int, default=200, help="per model, over both threads")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    warnings.simplefilter("ignore")  # the backend's warnings are expected here (moved weights, ...)
+    # the backend's warnings are expected here (moved weights, ...); torch's "The CUDA Graph is empty"
+    # is counted: a capture that recorded no kernel (pieces without device work are not captured)
+    empty_graphs = []
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *rest, **kw: empty_graphs.append(1) if "CUDA Graph is empty" in str(
+        message) else None
+    warnings.simplefilter("always")
     torch._dynamo.config.cache_size_limit = 64  # random positions and sizes: many Dynamo graphs
     start = time.perf_counter()
     seeds = range(args.first_seed, args.first_seed + args.models)
@@ -95,6 +101,8 @@ def main() -> None:
         if args.device == "cuda" and args.replays:
             out.update(memory_growth(args.device, args.replays))
     out["seconds"] = round(time.perf_counter() - start, 1)
+    out["empty_graph_warnings"] = len(empty_graphs)
+    warnings.showwarning = show
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "failures"}, indent=1))
