@@ -158,7 +158,8 @@ def main() -> None:
         hf = json.loads(pathlib.Path(args.hf).read_text())
         key = ("model", "layers", "cache", "batch", "variant")
         second = [r for r in hf["hf"] if r["variant"].endswith("second-call")]  # hf_generate.SECOND_CALL
-        result["hf"] = merge_rows(result.get("hf", []), [r for r in hf["hf"] if r not in second], key, digest)
+        others = [r for r in hf["hf"] if not r["variant"].endswith("second-call")]
+        result["hf"] = merge_rows(result.get("hf", []), others, key, digest)
         if second:
             result["hf_second_call"] = merge_rows(result.get("hf_second_call", []), second, key, digest)
         result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}

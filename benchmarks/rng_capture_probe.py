@@ -34,6 +34,8 @@ import time
 
 import torch
 
+import _checkout  # noqa: F401  (the repository root on sys.path)
+
 THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
 
 
@@ -106,11 +108,12 @@ class RawGraphs:
 
 
 class SwapGraphs:
-    """``torch.cuda.CUDAGraph`` with the default generator set aside for ``capture_begin``."""
+    """``torch.cuda.CUDAGraph`` begun as the backend begins it: ``GeneratorAside`` (``runtime/devices.py``)."""
 
     def __init__(self, device: int):
-        self.default = torch.cuda.default_generators[device]
-        self.private = torch.Generator(device=f"cuda:{device}")
+        from piecewise_backend.runtime.devices import GeneratorAside
+
+        self.aside = GeneratorAside(device)
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
         self.graphs: list = []
@@ -120,12 +123,7 @@ class SwapGraphs:
         side.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(side):
-            own = self.default.graphsafe_get_state()
-            self.default.graphsafe_set_state(self.private)
-            try:
-                graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            finally:
-                self.default.graphsafe_set_state(own)
+            self.aside.capture_begin(graph, self.pool)
             try:
                 out = fn()
             finally:

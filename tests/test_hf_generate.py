@@ -340,7 +340,8 @@ def test_a_second_generate_with_a_new_static_cache_length_is_served_by_graphs():
         assert torch.equal(_generate(model, ids, new_tokens, cache_implementation="static"), theirs)
         graphs = graphs_since(start)
         now_served = sum(sum(g.stats.graph_calls.values()) - served.get(g.serial, 0) for g in graphs)
-        assert now_served >= new_tokens - 1, [g.stats.summary() for g in graphs]  # of a prefill, new_tokens - 1 decode steps
+        # a prefill and new_tokens - 1 decode steps, all but one of them graphed at least
+        assert now_served >= new_tokens - 1, [g.stats.summary() for g in graphs]
 
 
 @pytest.mark.usefixtures("emulated_graphs")
