@@ -153,3 +153,62 @@ def test_cutting_a_piece_at_attention_lifts_an_input_symbol_no_node_holds(unread
     rest = 8 if unread == "storage_offset" else base[5:13].storage_offset()  # the symbol left: a size, or the offset
     args = [real.get(n.name, rest) for n in gm.graph.nodes if n.op == "placeholder"]
     torch.testing.assert_close(layer_chain.install(chain, {}, readers)(*args)[0], layers(base[5:13], w))
+
+
+class UnreadMask(torch.nn.Module):
+    """Builds a mask sized by a Python int that nothing reads (transformers 5.17 builds the full-attention
+    mask of a Gemma 3 whose layers all slide), and ands a boolean input with a computed mask."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x, mask, keep, past: int):
+        unread = ((torch.arange(past + 1) <= past) & mask.bool()).expand(x.shape[0], -1)  # noqa: F841
+        h = self.lin(x)
+        return h * (keep & (h > 0))
+
+
+def _submodule_nodes(split):
+    return [n for _, m in split.graph_module.named_children() for n in m.graph.nodes]
+
+
+def test_values_nothing_reads_do_not_reach_a_compute_piece_and_a_logical_and_is_not_a_write():
+    """Before: Dynamo left the unread mask in the graph, so the compute piece took the growing input
+    and the int as inputs (a new shape key per decode step, no replay); and ``keep & m`` counted as
+    an in-place write of ``keep`` (``operator.and_`` ends in an underscore), which ran it eagerly."""
+    model = UnreadMask().eval()
+    x, keep = torch.randn(2, 8), torch.rand(2, 8) > 0.3
+    calls = [(x, torch.ones(1, past + 1, dtype=torch.long), keep, past) for past in (4, 5, 6)]
+    splits, outs = split_only(model, calls)
+    decode = splits[-1]
+    assert [p.kind for p in decode.pieces] == [COMPUTE], [(p.kind, p.eager_reasons) for p in decode.pieces]
+    placeholders = [n.name for n in _submodule_nodes(decode) if n.op == "placeholder"]
+    assert not any("mask" in name for name in placeholders), placeholders
+    assert not any(n.op == "call_method" and n.target == "expand" for n in _submodule_nodes(decode))
+    for args, out in zip(calls, outs):
+        torch.testing.assert_close(out, model(*args))
+
+
+class ViewsBetweenAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, q, k, v):
+        a = torch.nn.functional.scaled_dot_product_attention(self.lin(q), k, v)
+        return torch.nn.functional.scaled_dot_product_attention(a.transpose(1, 2).transpose(1, 2), k, v)
+
+
+def test_a_piece_of_views_only_runs_as_it_is_and_is_never_captured():
+    """Captured, a piece without a kernel is an empty CUDA graph (torch warns "The CUDA Graph is
+    empty"); it replays nothing."""
+    from piecewise_backend.split.splitting import NO_DEVICE_WORK
+
+    model = ViewsBetweenAttention().eval()
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    splits, outs = split_only(model, [(q, k, v)])
+    pieces = splits[0].pieces
+    assert [p.kind for p in pieces] == [COMPUTE, SPLIT, EAGER, SPLIT]
+    assert set(pieces[2].eager_reasons) == {NO_DEVICE_WORK}
+    torch.testing.assert_close(outs[0], model(q, k, v))

@@ -183,7 +183,8 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
         if hidden:
             return hidden
         name = getattr(target, "__name__", "")
-        if name.endswith("_") and not name.startswith("_") and node.args:
+        not_in_place = getattr(target, "__module__", "") in ("_operator", "operator")  # and_, or_: a & b, a | b
+        if name.endswith("_") and not name.startswith("_") and not not_in_place and node.args:
             first = node.args[0]
             if isinstance(first, torch.fx.Node) and isinstance(example_value(first), torch.Tensor):
                 return [first]

@@ -34,7 +34,7 @@ from torch.fx.passes.split_module import split_module
 from .. import _torch_internals
 from ..fx import graph_facts as facts
 from ..kinds import PieceKind, PieceSpec
-from ..op_names import canonical_op_name, display_name, is_cudagraph_unsafe
+from ..op_names import canonical_op_name, display_name, is_cudagraph_unsafe, is_random_op
 from .attention_placement import beside_attention, is_fixed_shape_attention
 from .in_place_writes import graph_safe_writes, only_whole_writes
 from .piece_boundaries import keep_containers_in_their_piece
@@ -260,12 +260,46 @@ def drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], s
     split_gm.recompile()  # no dead-code elimination: eager pieces may exist only for their writes
 
 
-def _drop_unused_scalars(graph: torch.fx.Graph) -> None:
-    """Scalars nothing reads (Hugging Face's ``cache.keys.numel()`` checks leave some): each would
-    hand its tensor, and that tensor's sizes, to a compute piece for nothing."""
+_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson", "exponential", "cauchy",
+                 "geometric", "uniform", "seed")  # a dead draw still moves the generator: kept
+
+
+def _is_dead_and_pure(node: torch.fx.Node) -> bool:
+    """Nothing reads it and dropping it changes nothing: no write, no side effect, no random draw."""
+    if node.op not in ("call_function", "call_method") or node.users or node.is_impure():
+        return False
+    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
+    return not (facts.mutated_inputs(node) or facts.is_barrier(node) or is_random_op(node.target)
+                or any(word in name.lower() for word in _RANDOM_WORDS))
+
+
+def _drop_dead_values(graph: torch.fx.Graph) -> None:
+    """Values nothing reads: Hugging Face's ``cache.keys.numel()`` checks, or transformers 5.17's mask
+    for an attention kind no layer has (Gemma 3 with sliding layers only). Each would hand its inputs,
+    and their sizes, to a compute piece for nothing: a cache's length in the piece's shape key, a
+    capture per decode step and no replay."""
     for node in reversed(list(graph.nodes)):
-        if node.op in ("call_function", "call_method") and not node.users and facts.is_sym_node(node):
+        if _is_dead_and_pure(node):
             graph.erase_node(node)
+
+
+NO_DEVICE_WORK = "no device work (views of its inputs, scalars, host tensors): nothing to capture, run as it is"
+
+
+def _no_device_work(group: list, roots: dict, on_device: bool) -> bool:
+    """Would a capture of these nodes record no kernel? Views of what other pieces made, Python
+    scalars, and (in a graph on the GPU) tensors on the host. torch warns "The CUDA Graph is empty"
+    for such a capture, and its replay would save nothing."""
+    for node in group:
+        value = facts.example_value(node)
+        values = value if isinstance(value, (tuple, list)) else (value,)
+        tensors = [v for v in values if isinstance(v, torch.Tensor)]
+        if facts.mutated_inputs(node):
+            return False
+        host_only = on_device and all(t.device.type == "cpu" for t in tensors)
+        if tensors and roots[node] is node and not host_only:
+            return False  # owns new device memory: a kernel made it
+    return True
 
 
 def _partition_until_no_write_crosses(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
@@ -308,7 +342,7 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
     at their own address, which compute pieces may write where ``in_place_writes.py`` says it is safe.
     """
     graph = gm.graph
-    _drop_unused_scalars(graph)
+    _drop_dead_values(graph)
     steps = facts.step_symbols(graph)
     safe_writes = graph_safe_writes(graph, in_place, steps)
     kinds, reasons, part = _partition_until_no_write_crosses(graph, splitting_ops, steps, writable_inputs,
@@ -322,12 +356,17 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
     for node, pid in part.items():
         members.setdefault(pid, []).append(node)
     roots = facts.alias_roots(graph)
+    on_device = any(getattr(v, "is_cuda", False) for v in map(facts.example_value, facts.placeholders(graph)))
     pieces = []
     for index, node in enumerate(n for n in split_gm.graph.nodes if n.op == "call_module"):
         pid = _torch_internals.split_partition(node)
         group = members[pid]
         split_ops = tuple(display_name(n) for n in group if kinds[n] == SPLIT)
         kind = SPLIT if split_ops else (EAGER if kinds[group[0]] == EAGER else COMPUTE)
+        if kind == COMPUTE and _no_device_work(group, roots, on_device):
+            kind = EAGER
+            kinds.update(dict.fromkeys(group, EAGER))
+            reasons.update(dict.fromkeys(group, NO_DEVICE_WORK))
         written = () if kind != COMPUTE else tuple(dict.fromkeys(
             roots[m].name for n in group for m in facts.mutated_inputs(n) if roots[m].op == "placeholder"))
         pieces.append(PieceSpec(
