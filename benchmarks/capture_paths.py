@@ -35,9 +35,7 @@ with torch.inference_mode():
     with torch.cuda.graph(g):
         fn()
     graphs["A torch.cuda.graph"] = g
-    g = torch.cuda.CUDAGraph()
-    device_graphs(torch.device("cuda")).capture(g, fn, warmup_runs=1)
-    graphs["B ours (DeviceGraphs.capture)"] = g
+    graphs["B ours (DeviceGraphs.capture)"], _ = device_graphs(torch.device("cuda")).capture(fn, warmup_runs=1)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         fn()

@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--graph-kernels", help="graph_kernels.py's JSON (replaces the key's rows)")
     parser.add_argument("--threads", help="threads.py's JSON")
     parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
+    parser.add_argument("--graph-memory", help="graph_memory.py's JSON (graph_memory_estimate or graph_memory_sweep)")
     parser.add_argument("--entry", help="dynamo_entry.py's JSON")
     parser.add_argument("--hf-startup", help="hf_startup.py's JSON")
     parser.add_argument("--seed-workload", help="seed_workload.py's JSON (seed_workload and concurrency rows)")
@@ -168,11 +169,11 @@ def main() -> None:
     if args.serving:
         rows = [{k: v for k, v in r.items() if k != "itl_over_time"}
                 for r in json.loads(pathlib.Path(args.serving).read_text())["serving"]]
-        serving = json.loads(pathlib.Path(args.serving).read_text())
         if rows:
             result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
-        if "graph_memory_estimate" in serving:
-            result["graph_memory_estimate"] = {**serving["graph_memory_estimate"], "code_hash": digest}
+    if args.graph_memory:
+        for key, rows in json.loads(pathlib.Path(args.graph_memory).read_text()).items():
+            result[key] = [{**r, "code_hash": digest} for r in rows]  # one run's rows replace the key's
     if args.hf_startup:
         rows = json.loads(pathlib.Path(args.hf_startup).read_text())["hf_startup"]
         unset = {"specialize_float": False}  # rows from before the option: torch's default

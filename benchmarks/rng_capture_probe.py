@@ -11,24 +11,20 @@ releases the GIL, and a draw on another thread meanwhile meets the private, mark
 Modes, each beside a thread drawing from the default generator the whole time:
 
 * ``swap``: ``torch.cuda.CUDAGraph`` with the generator set aside, as the backend captures today;
-* ``raw``: the CUDA runtime's own ``cudaStreamBeginCapture``/``EndCapture``/``GraphInstantiate``
-  (through ``ctypes``), allocations routed to a graph pool by torch's
-  ``_cuda_beginAllocateCurrentThreadToPool``: no generator is registered, so nothing is marked.
+* ``raw``: the backend's ``RawGraph`` (``piecewise_backend/runtime/_torch_internals.py``): the CUDA runtime's
+  own ``cudaStreamBeginCapture``/``EndCapture``/``GraphInstantiateWithFlags`` through ``ctypes``,
+  allocations routed to the graph pool by torch: no generator is registered, so nothing is marked.
   Only for code that draws no random numbers (a draw inside would find no registered state).
 
 Each capture is a small MLP at a new batch size, replayed and compared with eager. Reports per mode
-the neighbour's errors and iterations, wrong replays, and the nodes of each raw graph (0: an empty
-graph). torch 2.12+ registers a generator on its first use in a capture (pytorch#176753): there,
+the neighbour's errors and iterations, and wrong replays. torch 2.12+ registers a generator on its first use in a capture (pytorch#176753): there,
 ``swap`` has no window either.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import glob
 import json
-import os
 import threading
 import time
 
@@ -36,75 +32,41 @@ import torch
 
 import _checkout  # noqa: F401  (the repository root on sys.path)
 
-THREAD_LOCAL = 1  # cudaStreamCaptureModeThreadLocal
-
-
-def load_cudart() -> ctypes.CDLL:
-    """The CUDA runtime torch was built against: its pip package's library, else the loader's."""
-    major = (torch.version.cuda or "12").split(".")[0]
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    candidates = sorted(glob.glob(os.path.join(site, "nvidia", "**", f"libcudart.so.{major}*"), recursive=True))
-    for name in (*candidates, f"libcudart.so.{major}", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError(f"no libcudart.so.{major} found (looked in {site}/nvidia and the loader's path)")
-
-
 class RawGraphs:
-    """Capture and replay through the CUDA runtime, torch's allocator routed to one pool."""
+    """Captures as the backend captures a piece that draws nothing on torch < 2.12: ``RawGraph``
+    (``piecewise_backend/runtime/_torch_internals.py``), in one pool, on one side stream."""
 
     def __init__(self, device: int):
-        self.rt = load_cudart()
-        for name in ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiate", "cudaGraphLaunch",
-                     "cudaGraphGetNodes", "cudaGraphExecDestroy", "cudaGraphDestroy"):
-            getattr(self.rt, name).restype = ctypes.c_int
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+        self.keeper = torch.cuda.CUDAGraph()  # holds the pool open, as DeviceGraphs' keeper does
         self.stream = torch.cuda.Stream(device=device)
+        from piecewise_backend.runtime.devices import GeneratorAside
+
+        with torch.cuda.stream(self.stream):  # before the neighbour starts: its begin marks nothing it uses
+            GeneratorAside(device).capture_begin(self.keeper, self.pool)
+            torch.zeros(1, device="cuda").add_(1)
+            self.keeper.capture_end()
         self.graphs: list = []
 
-    def _check(self, code: int, what: str) -> None:
-        if code != 0:
-            raise RuntimeError(f"{what} returned cudaError {code}")
-
     def capture(self, fn):
-        """``fn()`` captured; returns (exec handle, its output, the graph's node count)."""
+        from piecewise_backend.runtime._torch_internals import RawGraph
+
         side = self.stream
         side.wait_stream(torch.cuda.current_stream())
-        graph = ctypes.c_void_p()
-        torch._C._cuda_clearCublasWorkspaces()
-        torch._C._cuda_beginAllocateCurrentThreadToPool(self.device, self.pool)
-        try:
-            with torch.cuda.stream(side):
-                handle = ctypes.c_void_p(side.cuda_stream)
-                self._check(self.rt.cudaStreamBeginCapture(handle, THREAD_LOCAL), "cudaStreamBeginCapture")
-                try:
-                    out = fn()
-                finally:
-                    self._check(self.rt.cudaStreamEndCapture(handle, ctypes.byref(graph)), "cudaStreamEndCapture")
-        finally:
-            torch._C._cuda_endAllocateToPool(self.device, self.pool)
+        graph = RawGraph(self.device, self.pool)
+        with torch.cuda.stream(side):
+            out = graph.capture(fn)
         torch.cuda.current_stream().wait_stream(side)
-        exe = ctypes.c_void_p()
-        self._check(self.rt.cudaGraphInstantiate(ctypes.byref(exe), graph, ctypes.c_ulonglong(0)), "cudaGraphInstantiate")
-        nodes = ctypes.c_size_t(0)
-        self._check(self.rt.cudaGraphGetNodes(graph, None, ctypes.byref(nodes)), "cudaGraphGetNodes")
-        self.graphs.append((exe, graph))
-        return exe, out, nodes.value
+        self.graphs.append(graph)
+        return graph, out, None
 
-    def replay(self, exe) -> None:
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        self._check(self.rt.cudaGraphLaunch(exe, stream), "cudaGraphLaunch")
+    def replay(self, graph) -> None:
+        graph.replay()
 
     def release(self) -> None:
-        torch.cuda.synchronize(self.device)
-        for exe, graph in self.graphs:
-            self.rt.cudaGraphExecDestroy(exe)
-            self.rt.cudaGraphDestroy(graph)
+        torch.cuda.synchronize()
         self.graphs.clear()
-        torch._C._cuda_releasePool(self.device, self.pool)
 
 
 class SwapGraphs:
@@ -163,7 +125,7 @@ def probe(mode: str, captures: int) -> dict:
     w1, w2 = torch.randn(256, 1024, device="cuda"), torch.randn(1024, 256, device="cuda")
     neighbour = Neighbour()
     neighbour.start()
-    wrong, nodes, start = 0, [], time.perf_counter()
+    wrong, start = 0, time.perf_counter()
     try:
         for size in range(1, captures + 1):
             x = torch.randn(size, 256, device="cuda")
@@ -172,9 +134,7 @@ def probe(mode: str, captures: int) -> dict:
                 return torch.relu(x @ w1) @ w2
 
             step()  # warm-up: cuBLAS picks its kernels outside the capture
-            handle, out, count = graphs.capture(step)
-            if count is not None:
-                nodes.append(count)
+            handle, out, _ = graphs.capture(step)
             x.normal_()  # new values in the captured input: the replay must see them
             graphs.replay(handle)
             torch.cuda.synchronize()
@@ -185,8 +145,7 @@ def probe(mode: str, captures: int) -> dict:
         graphs.release()
     return {"mode": mode, "captures": captures, "wrong_replays": wrong, "seconds": round(time.perf_counter() - start, 2),
             "neighbour_iterations": neighbour.iterations, "neighbour_errors": neighbour.errors,
-            "neighbour_messages": sorted(neighbour.messages), "empty_graphs": sum(n == 0 for n in nodes),
-            "nodes_min_max": [min(nodes), max(nodes)] if nodes else None}
+            "neighbour_messages": sorted(neighbour.messages)}
 
 
 def main() -> None:

@@ -24,6 +24,8 @@
 #   bash benchmarks/run_device.sh threads [ARGS...] # threads.py ARGS: captures beside other threads, concurrent callers
 #   bash benchmarks/run_device.sh weights           # moved_weights.py: re-capture vs un-graphed after new weights
 #   bash benchmarks/run_device.sh serving [ARGS...] # serving.py ARGS: the serving engine, per variant and start
+#   bash benchmarks/run_device.sh graph-memory [ARGS...]  # graph_memory.py ARGS: estimate_graph_memory against
+#                                                   #   every size captured (engine, HF model); --sweep: per size
 #   bash benchmarks/run_device.sh seed-workload [ARGS...]  # seed_workload.py ARGS: the seed's workload and the
 #                                                   #   concurrency sweep, per variant (breakable-cuda-graphs
 #                                                   #   needs its wheel carried in .whl/: installed here)
@@ -132,6 +134,10 @@ case "$part" in
       | tee "$OUT/serving.log" | grep '^{'
     record --serving "$OUT/serving.json"
     python benchmarks/serving.py --out "$OUT/serving.json" --figure "$OUT/serving_itl.png" ;;
+  graph-memory)
+    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/graph_memory.py --out "$OUT/graph_memory.json" "$@" 2>&1 \
+      | tee "$OUT/graph_memory.log" | grep '^{' | cut -c1-600
+    record --graph-memory "$OUT/graph_memory.json" ;;
   seed-workload)
     ls .whl/breakable_cuda_graphs-*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps .whl/breakable_cuda_graphs-*.whl
     timeout "${SUITE_TIMEOUT:-560}" python benchmarks/seed_workload.py --out "$OUT/seed_workload.json" "$@" 2>&1 \

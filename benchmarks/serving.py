@@ -2,7 +2,6 @@
 
     python benchmarks/serving.py --out serving.json [--variants piecewise,piecewise-all] [--starts cold,warm]
     python benchmarks/serving.py --out serving.json --figure serving_itl.png            # its figure
-    python benchmarks/serving.py --out memory.json --memory-estimate [--estimate-from 1,64]
     python benchmarks/serving.py --out /tmp/s.json --device cpu --config tiny --requests 6   # smoke test
 
 The engine is ``toys/engine.py`` (paged KV cache, attention a custom op over a forward context,
@@ -35,9 +34,7 @@ capture following traffic) and ``token_agreement`` (the share of requests whose 
 shorter trace, ``--agreement-requests``, checked by the cold run: bf16 rows are timed, fp32 tokens
 compared).
 
-``--memory-estimate``: ``piecewise_backend.estimate_graph_memory`` on the engine's compiled model
-(from the captures of the smallest, the largest and one more default size, or of ``--estimate-from``), then every
-default size captured: ``{predicted_bytes, measured_bytes, sizes, from_sizes, error}``.
+The graph memory estimate on this engine: ``graph_memory.py``.
 """
 
 from __future__ import annotations
@@ -213,35 +210,6 @@ def agreement(args, variant: str, device: str) -> float:
     return round(sum(a == b for a, b in zip(got, expected)) / len(expected), 3)
 
 
-def memory_estimate(args, device: str) -> dict:
-    """``estimate_graph_memory`` against the pool measured after capturing every default size, on
-    the engine's compiled model (``--estimate-from``: the sizes whose captures it rests on; "ends":
-    the smallest and the largest default size, and one more after it)."""
-    import piecewise_backend
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = build(args.config, "piecewise", device, dtype)
-    forward = compiled(model, "piecewise")
-    engine = engine_for(model, forward, device, dtype, args)
-    engine.warm_up()
-    able = [g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front]
-    if not able:
-        raise RuntimeError("no compiled graph can capture up front: "
-                           + "; ".join(g.up_front.refusal() for g in piecewise_backend.compiled_graphs()))
-    graph = max(able, key=lambda g: g.stats.calls)
-    sizes = graph.policy.sizes
-    asked = sizes if args.estimate_from == "ends" else [int(v) for v in args.estimate_from.split(",")]
-    start = time.perf_counter()
-    guess = piecewise_backend.estimate_graph_memory(asked, graph)
-    seconds = time.perf_counter() - start
-    predicted = guess.for_sizes(sizes)
-    graph.capture("all")
-    measured = piecewise_backend.pool_bytes()
-    return {"predicted_bytes": predicted, "measured_bytes": measured, "sizes": f"{len(sizes)} sizes up to {max(sizes)}",
-            "from_sizes": [s for s, _ in guess.measured], "error": round(predicted / measured - 1, 4),
-            "estimate_s": round(seconds, 2)}
-
-
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
@@ -249,9 +217,6 @@ def _ms(value: float | None) -> float | None:
 def child(args) -> None:
     """One (variant, start) in this process: print its row as JSON."""
     device = args.device
-    if args.variant == "memory":
-        report({"variant": "memory", **memory_estimate(args, device)})
-        return
     try:
         row = serve(args, args.variant, device)
         torch._dynamo.reset()
@@ -296,9 +261,6 @@ def main() -> None:
     parser.add_argument("--max-num-tokens", type=int, default=512)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--child-timeout", type=int, default=300)
-    parser.add_argument("--memory-estimate", action="store_true",
-                        help="only check estimate_graph_memory against the pool of every default size")
-    parser.add_argument("--estimate-from", default="ends", help='"ends" or sizes like "1,64" (with --memory-estimate)')
     parser.add_argument("--figure", help="write the ITL-over-time figure of --out's rows to this PNG and stop")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
     parser.add_argument("--start", help=argparse.SUPPRESS)
@@ -310,12 +272,6 @@ def main() -> None:
     if args.figure:
         return figure(rows, pathlib.Path(args.figure))
     passed = [a for a in sys.argv[1:]]
-    if args.memory_estimate:
-        estimate = child_row([sys.executable, __file__, *passed, "--variant", "memory", "--start", "warm"],
-                             args.child_timeout)
-        print(json.dumps(estimate), flush=True)
-        out.write_text(json.dumps({"serving": rows, "graph_memory_estimate": estimate}, indent=1) + "\n")
-        return
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory() as caches:
             for start in args.starts.split(","):

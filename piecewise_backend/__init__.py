@@ -19,7 +19,7 @@ from .op_names import DEFAULT_SPLITTING_OPS
 from .persist.compile_behind import start_compile_workers
 from .persist.warm_start import load, save
 from .plan.emulation import emulated_graphs
-from .registry import capture, compiled_graphs, estimate_graph_memory, release_graphs
+from .registry import capture, compiled_graphs, estimate_graph_memory, graph_memory_bytes, release_graphs
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
 from .runtime.graph_mode import cudagraph_mode
@@ -39,6 +39,7 @@ __all__ = [
     "process_stats",
     "capture_table",
     "pool_bytes",
+    "graph_memory_bytes",
     "GraphMemoryEstimate",
     "CaptureEvent",
     "inspect_split",

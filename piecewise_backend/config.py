@@ -76,7 +76,8 @@ class PiecewiseConfig:
             ``runtime/capture_deferral.py``), and a size whose capture a budget refuses replays
             it too instead of running un-graphed. False: every size is captured the first time
             it is seen (each capture stalls its call: tens of ms on a deep model).
-        max_graph_memory: cap, in bytes, on the graph pool (as the CUDA allocator reports it):
+        max_graph_memory: cap, in bytes, on graph memory: the graph pool (as the CUDA allocator
+            reports it) and the buffers the graph's captures copy their inputs into:
             a capture that would exceed it does not happen; that size replays a larger captured
             graph (``defer_captures``) or runs un-graphed.
         max_captured_sizes: cap on the number of sizes captured per compiled graph.

@@ -12,7 +12,9 @@ import warnings
 import weakref
 from typing import Iterable
 
-from .runtime.devices import synchronize
+import torch
+
+from .runtime.devices import device_index, pool_bytes, synchronize
 from .runtime.memory_estimate import estimate
 
 _GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
@@ -54,15 +56,32 @@ def _able_to_capture() -> tuple[list, str]:
 
 
 def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
-    """The graph pool ``sizes`` need, from three captures (``runtime/memory_estimate.py``): size a KV
-    cache with what is left. ``graph``: a compiled graph (default: the one called most that can
-    capture up front). Captures the smallest, the largest and one more of ``sizes`` if they are not yet."""
+    """The graph memory ``sizes`` need (pool and input buffers), from two captures
+    (``runtime/memory_estimate.py``): size a KV cache with what is left. ``graph``: a compiled graph
+    (default: the one called most that can capture up front). Captures the largest and the smallest
+    of ``sizes`` if they are not yet."""
     if graph is None:
         able, reasons = _able_to_capture()
         if not able:
             raise RuntimeError(f"piecewise: estimate_graph_memory: no compiled graph can capture up front ({reasons})")
         graph = max(able, key=lambda g: g.stats.calls)
     return estimate(graph, sizes)
+
+
+def graph_memory_bytes(device: torch.device | str | int | None = None) -> int:
+    """Graph memory on ``device`` (default: the current CUDA device): the graph pool every graph
+    there shares (``pool_bytes``) and the buffers each live graph's captures copy their inputs into
+    (user inputs, attention outputs: outside the pool, one buffer per input shared by all sizes)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+
+    def on_device(g) -> bool:
+        if g.device.type != device.type:
+            return False
+        return device.type != "cuda" or device_index(g.device) == device_index(device)
+
+    graphs = [g for g in compiled_graphs() if on_device(g)]
+    pool = pool_bytes(device) if device.type == "cuda" else 0
+    return pool + sum(a.nbytes() for g in graphs for a in g.input_arenas())
 
 
 def release_graphs() -> int:

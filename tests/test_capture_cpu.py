@@ -70,6 +70,17 @@ def test_eager_sizes_captured_largest_first_before_the_first_output(padded_run):
         assert [(e.key, e.how) for e in events[2:]] == []
 
 
+def test_every_size_reads_its_copied_inputs_from_the_largest_sizes_buffer(padded_run):
+    # 8 first, then 2: size 2's copied inputs (token ids, attention outputs) are the first rows of
+    # size 8's buffers, so capturing it took no new memory (on CPU graph memory is those buffers)
+    for graph in padded_run[1]:
+        arenas = graph.input_arenas()
+        assert all(len(a._all) == len(a._current) for a in arenas)  # one buffer per copied input
+        assert sum(len(a._all) for a in arenas) == 1 + CFG.layers  # token ids, each attention output
+        assert graph.memory_bytes() == sum(a.nbytes() for a in arenas) > 0
+        assert [e.pool_growth for e in graph.stats.events[1:]] == [0]
+
+
 def test_above_the_largest_size_runs_ungraphed_and_says_so(padded_run):
     misses = sum(g.stats.misses[Miss.ABOVE_MAX] for g in padded_run[1])
     assert misses == 4  # sizes 9 and 10, two steps each
@@ -264,6 +275,10 @@ def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monke
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, (2, 3))
     graphs = _padded_graphs(start)
+    main = _main_graph(start)
+    # 2, then 4 (growing sizes): the copied input's buffer of size 2 stays (its graph reads it)
+    # beside the larger one of size 4
+    assert [len(a._all) for a in main.input_arenas() if a._all] == [2]
     alive = [weakref.ref(c.graph) for g in graphs for r in g.runners.values() for c in r.captures.values()]
     assert alive and all(ref() is not None for ref in alive)
     monkeypatch.setattr(registry, "compiled_graphs", lambda: graphs)  # leave other tests' graphs alone
@@ -271,14 +286,15 @@ def test_released_graphs_are_destroyed_and_captured_again_on_the_next_call(monke
     assert keys >= 2 and release_graphs() == keys
     gc.collect()
     assert all(ref() is None for ref in alive)
-    main = _main_graph(start)
     assert main.captured == set() and all(not r.captures for r in main.runners.values())
+    assert main.memory_bytes() == 0  # the input buffers went with the graphs
     with torch.no_grad():
         results += decode_at_sizes(compiled, reference, (3, 2), start_pos=4)
     assert_results_close(results)
     # captured again at the next call; 2 then rides 4 (within 2x of it: capture_deferral.py)
     assert [e.key for e in main.stats.events] == [(2,), (4,), (4,)]
     assert main.stats.replays > 0
+    assert [len(a._all) for a in main.input_arenas() if a._all] == [1]  # size 4's alone
 
 
 def test_a_piece_without_tensor_inputs_is_captured_on_the_graphs_device():

@@ -112,7 +112,7 @@ def test_varlen_attention_over_the_pages_matches_the_reference_attention():
     torch.testing.assert_close(outs[torch.bfloat16], outs[torch.float32], atol=3e-2, rtol=3e-2)
 
 
-def test_graph_memory_estimated_from_three_captures_is_the_pool_of_every_size():
+def test_graph_memory_estimated_from_two_captures_is_the_graph_memory_of_every_size():
     torch._dynamo.reset()
     model = _model(toy.ATTENTION)
     compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": [toy.ATTENTION],
@@ -122,11 +122,11 @@ def test_graph_memory_estimated_from_three_captures_is_the_pool_of_every_size():
     engine.warm_up()  # compiles; the dynamic graph remembers the weights
     graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front),
                 key=lambda g: g.stats.calls)
+    before = {k[0] for k in graph.captured}  # what the warm-up captured
     guess = piecewise_backend.estimate_graph_memory("all", graph)
-    # the smallest, the largest and one size captured after it (the warm-up's 48 came first)
-    measured = [s for s, _ in guess.measured]
-    assert {1, 64} <= set(measured) and len(measured) >= 3 and {(1,), (64,)} <= graph.captured, str(guess)
+    # the largest and the smallest, at most two captures
+    assert {(1,), (64,)} <= graph.captured and len({k[0] for k in graph.captured} - before) <= 2, str(guess)
     graph.capture("all")
-    measured = piecewise_backend.pool_bytes()
+    measured = piecewise_backend.graph_memory_bytes()
     assert abs(guess.predicted_bytes - measured) <= 0.1 * measured, (str(guess), measured)
     assert guess.largest_size_within(guess.predicted_bytes, graph.policy.sizes) == 64

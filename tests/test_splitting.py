@@ -212,3 +212,23 @@ def test_a_piece_of_views_only_runs_as_it_is_and_is_never_captured():
     assert [p.kind for p in pieces] == [COMPUTE, SPLIT, EAGER, SPLIT]
     assert set(pieces[2].eager_reasons) == {NO_DEVICE_WORK}
     torch.testing.assert_close(outs[0], model(q, k, v))
+
+
+def test_a_custom_op_called_through_its_packet_writes_its_out_and_is_never_dropped():
+    """torch 2.11's Dynamo records ``torch.ops.ns.name(...)`` as the op's overload packet (2.13: the
+    overload). The write to ``out`` went unseen there, and the op, whose result nothing reads, was
+    dropped as dead: ``out`` was never written and the model's outputs were garbage."""
+    from piecewise_backend.fx import graph_facts
+    from piecewise_backend.split import splitting
+
+    from .test_live_server import _attn  # noqa: F401  (registers live_server::attn, which writes out)
+
+    graph = torch.fx.Graph()
+    q = graph.placeholder("q")
+    out = graph.call_function(torch.empty_like, (q,))
+    attn = graph.call_function(torch.ops.live_server.attn, (q, q, q, out))
+    dead = graph.call_function(torch.ops.aten.mul.Tensor, (q, q))  # read by nothing, writes nothing
+    graph.output(graph.call_function(torch.ops.aten.add.Tensor, (out, q)))
+    assert graph_facts.mutated_inputs(attn) == [out]
+    splitting._drop_dead_values(graph)
+    assert attn in graph.nodes and dead not in graph.nodes

@@ -171,14 +171,19 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
             if isinstance(first, torch.fx.Node) and isinstance(example_value(first), torch.Tensor):
                 return [first]
             return []
-        if _torch_internals.is_op_overload(target):
-            written = []
-            for i, arg in enumerate(_torch_internals.op_schema_arguments(target)):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-                    if isinstance(value, torch.fx.Node):
-                        written.append(value)
-            return written
+        if _torch_internals.is_op_overload(target) or _torch_internals.is_op_packet(target):
+            # Dynamo records ``torch.ops.ns.name(...)`` as the packet on torch 2.11 (the overload on
+            # 2.13): an argument any overload writes is written
+            overloads = [getattr(target, o) for o in target.overloads()] \
+                if _torch_internals.is_op_packet(target) else [target]
+            written = {}
+            for overload in overloads:
+                for i, arg in enumerate(_torch_internals.op_schema_arguments(overload)):
+                    if arg.alias_info is not None and arg.alias_info.is_write:
+                        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                        if isinstance(value, torch.fx.Node):
+                            written[value] = None
+            return list(written)
         hidden = _hidden_writes(node)
         if hidden:
             return hidden

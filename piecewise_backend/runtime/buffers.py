@@ -29,8 +29,43 @@ def fits_in_storage(t: torch.Tensor, size) -> bool:
     return last < t.untyped_storage().nbytes() // t.element_size()
 
 
-def owned_copy(arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None) -> torch.Tensor:
-    """A buffer holding ``arg`` (in its first rows along ``dim`` when padded to ``size``).
+class InputArenas:
+    """One buffer per copied input of a graph, shared by all its shape keys: a key reads its input
+    from the start of it, laid out as the compiled code expects for that key.
+
+    Why: copied inputs (user inputs, attention outputs) used to get a buffer per input per key, so
+    their memory grew with the sum of the captured sizes, outside the graph pool and uncounted
+    (the serving engine's 67 sizes: gigabytes). One call of a graph runs at a time (its call
+    guard), and every replay first copies its inputs into these buffers, so keys can share them:
+    the memory is that of the largest key captured (largest first, as ``capture()`` goes) plus,
+    when captures come in growing sizes, the smaller buffers that earlier keys' graphs still read.
+    """
+
+    def __init__(self):
+        self._current: dict = {}  # input index -> the 1-D buffer new keys read from
+        self._all: list = []  # every buffer handed out while graphs may read it
+
+    def take(self, index: int, shape, strides, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 1
+        base = self._current.get(index)
+        if base is None or base.dtype != dtype or base.device != device or base.numel() < extent:
+            base = self._current[index] = torch.empty(extent, dtype=dtype, device=device)
+            self._all.append(base)
+        return base.as_strided(tuple(shape), tuple(strides))
+
+    def nbytes(self) -> int:
+        return sum(b.untyped_storage().nbytes() for b in self._all)
+
+    def clear(self) -> None:
+        """Forget every buffer (call only once no captured graph reads them)."""
+        self._current.clear()
+        self._all.clear()
+
+
+def owned_copy(arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None,
+               arenas: InputArenas, index: int) -> torch.Tensor:
+    """A buffer holding ``arg`` (in its first rows along ``dim`` when padded to ``size``), from
+    ``arenas`` (input ``index``).
 
     Strides are the ones the compiled code expects (``spec``'s, at the key's symbol values); the
     storage offset is dropped: compiled code reads through the data pointer. Padded rows start as
@@ -38,12 +73,12 @@ def owned_copy(arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int |
     """
     strides = strides_at(spec, sym_values)
     if dim is None:
-        buf = torch.empty_strided(arg.shape, strides or arg.stride(), dtype=arg.dtype, device=arg.device)
+        buf = arenas.take(index, arg.shape, strides or arg.stride(), arg.dtype, arg.device)
         buf.copy_(arg)
         return buf
     if strides is None:
         raise ValueError(f"no strides for a padded input at {sym_values}")
-    buf = torch.empty_strided(size, strides, dtype=arg.dtype, device=arg.device)
+    buf = arenas.take(index, size, strides, arg.dtype, arg.device)
     buf.zero_()
     buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
     return buf

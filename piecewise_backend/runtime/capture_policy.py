@@ -111,8 +111,8 @@ class CaptureBudget:
         if self.max_bytes is not None:
             estimate = self.bytes_per_row * (size or 1)
             if pool_bytes + estimate > self.max_bytes:
-                return (f"graph pool holds {_mib(pool_bytes)}, a capture of size {size} adds about "
-                        f"{_mib(estimate)}, max_graph_memory={_mib(self.max_bytes)}")
+                return (f"graph memory (pool and input buffers) holds {_mib(pool_bytes)}, a capture of size "
+                        f"{size} adds about {_mib(estimate)}, max_graph_memory={_mib(self.max_bytes)}")
         return None
 
     def record(self, size: int | None, growth: int) -> None:

@@ -234,7 +234,7 @@ class CompiledGraph:
     def _follow_traffic(self, route: Route, key: tuple, args: tuple) -> Route:
         """Count the call's key; a key refused by ``max_captured_sizes`` that keeps coming replaces
         the least used captured key (``capture_traffic.py``), every rank agreeing."""
-        decide, victim = self._traffic.replacement(route, self.captured, self.policy, self.pool_bytes)
+        decide, victim = self._traffic.replacement(route, self.captured, self.policy, self.memory_bytes)
         if not decide or agreed_refusal(self.agreement, None if victim is not None else "keeps its graphs",
                                         "another rank keeps them"):
             return route
@@ -279,7 +279,7 @@ class CompiledGraph:
             self.warn_once("weights bound", messages.weights_bound(self.serial, detail, weight_set is not None))
             return False
         if self.agreement is not None:
-            self._release_set(weight_set)
+            weight_set.release()
         if weight_set.number > 1:
             self.warn_once("weights moved", messages.weights_moved(self.serial, moved, weight_set.number,
                                                                    self.weights.limit))
@@ -301,7 +301,7 @@ class CompiledGraph:
         if not self.up_front.remembered:
             self.up_front.remember(key, args)
             self.up_front.capture_eager_sizes()  # before the first output
-        route = self.policy.route(key, self.captured, self.pool_bytes, self._unreplayed)
+        route = self.policy.route(key, self.captured, self.memory_bytes, self._unreplayed)
         if route.miss is not None:
             self._warn_refused(key, route)
         if route.key is not None and not route.capture:
@@ -323,7 +323,7 @@ class CompiledGraph:
         """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""
         position = self.plan.key.pad_position
         self.step.capturing(key[position] if position is not None else None, sym_values)
-        before, start = self.pool_bytes(), time.perf_counter()
+        before, start = self.memory_bytes(), time.perf_counter()
         out = run()
         synchronize(self.device)
         self._record_capture(key, how, time.perf_counter() - start, before)
@@ -352,25 +352,22 @@ class CompiledGraph:
 
     def forget_graphs(self) -> int:
         """:meth:`release_graphs` for a caller that holds the call guard."""
-        return sum(map(self._release_set, self.weights.all()))
+        released = sum(weight_set.release() for weight_set in self.weights.all())
+        for arenas in self.input_arenas():
+            arenas.clear()  # no graph reads them any more
+        return released
 
-    @staticmethod
-    def _release_set(weight_set: WeightSet) -> int:
-        """Forget one set's graphs; the number of keys released."""
-        released = len(weight_set.captured)
-        for captures in weight_set.captures.values():
-            captures.clear()
-        weight_set.captured.clear()
-        weight_set.unreplayed.clear()
-        weight_set.routes.clear()  # routes to captured keys would replay graphs that are gone
-        return released + weight_set.full.clear()
+    def input_arenas(self) -> list:
+        """The buffers captures copy their inputs into (``buffers.InputArenas``): per runner, and full graphs'."""
+        return [r.arenas for r in self.runners.values()] + [self.full.arenas]
 
-    def pool_bytes(self) -> int:
-        device = self.device
-        return pool_bytes(device) if device.type == "cuda" else 0
+    def memory_bytes(self) -> int:
+        """Graph memory: the device's graph pool and this graph's input buffers (outside the pool)."""
+        pool = pool_bytes(self.device) if self.device.type == "cuda" else 0
+        return pool + sum(a.nbytes() for a in self.input_arenas())
 
     def _record_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int) -> None:
-        after = self.pool_bytes()
+        after = self.memory_bytes()
         self.captured.add(key)
         if any(key in r.failed_keys for r in self.runners.values()):
             self._retries.failed(key)
@@ -384,7 +381,7 @@ class CompiledGraph:
     def log_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int, mode: GraphMode,
                     after: int | None = None) -> None:
         """What every capture leaves, piecewise or full: the budget's measure, the event, the log line."""
-        after = self.pool_bytes() if after is None else after
+        after = self.memory_bytes() if after is None else after
         position = self.plan.key.pad_position
         self.policy.budget.record(key[position] if position is not None else None, after - before)
         pieces = sum(1 for r in self.runners.values() if key in r.captures) if mode is GraphMode.PIECEWISE else 1
@@ -394,6 +391,6 @@ class CompiledGraph:
                  seconds * 1e3, after / 2**20, (after - before) / 2**20)
         cap = self.config.max_graph_memory
         if cap is not None and after > cap:
-            self.warn_once("over cap", f"piecewise: graph {self.serial}: graph pool holds {after / 2**20:.1f} "
+            self.warn_once("over cap", f"piecewise: graph {self.serial}: graph memory holds {after / 2**20:.1f} "
                                        f"MiB after capturing {key}, above max_graph_memory={cap / 2**20:.1f} "
                                        f"MiB; no further captures.")

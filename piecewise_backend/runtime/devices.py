@@ -16,11 +16,16 @@ copy results out, sample, allocate):
 * every capture runs in ``"thread_local"`` capture error mode: another thread's sync or
   ``cudaMalloc`` neither fails nor invalidates our capture (in torch's default ``"global"`` mode
   both fail: measured on the H200, 50 errors in a background thread over 200 lazily capturing calls);
-* a piece that draws no random numbers is captured with the default CUDA generator's state set
-  aside (:class:`GeneratorAside`): torch 2.11 marks the state that the default generator holds
-  when a capture begins as "capturing" until it ends, and any other thread's random op on it then
-  raises "Offset increment outside graph capture encountered unexpectedly". The state it holds
-  during the capture is the caller's own, untouched.
+* a piece that draws no random numbers is captured without the default CUDA generator: torch
+  2.11 marks the state that the default generator holds when a capture begins as "capturing"
+  until it ends, and any other thread's random op on it then raises "Offset increment outside
+  graph capture encountered unexpectedly". There, such pieces are captured by the CUDA runtime's
+  own calls (``runtime/_torch_internals.py``), which touch no generator; elsewhere the
+  generator's state is set aside for ``capture_begin`` (:class:`GeneratorAside`). Pieces that
+  draw random numbers are captured by torch with the default generator registered, so their
+  replays advance it, and pieces that read host tensors by torch with it set aside (torch's
+  capture keeps the pinned memory of a copy to the device for the graph); beside those
+  captures, another thread's draw can still fail on torch 2.11.
 
 Why one pool: captured outputs are kept only as non-owning aliases, so memory freed by one step's
 capture is reused by the next capture, of any piece or size. Why one stream: cuBLAS keeps a
@@ -36,6 +41,7 @@ from typing import Any, Callable
 import torch
 
 from .. import _torch_internals
+from ._torch_internals import RawGraph, capture_marks_default_generator, cudart
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -82,21 +88,31 @@ class DeviceGraphs:
                 self._pool = (handle, keeper)
         return self._pool[0]
 
-    def capture(self, graph: torch.cuda.CUDAGraph, fn: Callable[[], Any], warmup_runs: int = 0,
-                after_warmup: Callable[[], None] | None = None, draws_random: bool = False):
-        """Run ``fn()`` ``warmup_runs`` times, then capture it into ``graph`` in this device's pool;
-        return the captured call's result. ``draws_random``: ``fn`` uses the default CUDA generator
-        (its captured kernels must advance it on replay, so it stays registered with the graph)."""
-        result = self._capture(graph, self.pool, fn, warmup_runs, after_warmup, draws_random)
-        self._graphs_in_pool += 1
-        return result
+    def capture(self, fn: Callable[[], Any], warmup_runs: int = 0, after_warmup: Callable[[], None] | None = None,
+                draws_random: bool = False, args: tuple = ()) -> tuple[Any, Any]:
+        """Run ``fn()`` ``warmup_runs`` times, then capture it in this device's pool; return (the graph,
+        the captured call's result). The graph has ``replay()``.
 
-    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, draws_random: bool = False):
+        ``draws_random``: ``fn`` uses the default CUDA generator (its captured kernels must advance
+        it on replay, so it is registered with the graph). ``args``: what ``fn`` reads; one on the
+        host (a copy to the device inside the capture takes pinned memory, which torch's capture
+        keeps for the graph) keeps torch's capture too. Otherwise the capture leaves the generator
+        alone (:func:`_begin_route`).
+        """
+        pool = self.pool
+        on_host = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
+        route = "torch" if draws_random else "aside" if on_host else _begin_route()
+        graph = RawGraph(self.index, pool) if route == "raw" else torch.cuda.CUDAGraph()
+        result = self._capture(graph, pool, fn, warmup_runs, after_warmup, route)
+        self._graphs_in_pool += 1
+        return graph, result
+
+    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, route: str = "aside"):
         """What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
         (seconds per size in vLLM's measurements) and its new stream per capture.
 
         ``capture_end`` always runs: a capture left open poisons every later one. cuBLAS's
-        workspaces are freed just before ``capture_begin``, so the captured matmuls use a workspace
+        workspaces are freed just before the capture begins, so the captured matmuls use a workspace
         from the pool, never one that someone else can free under the graph
         (:func:`_torch_internals.free_cublas_workspaces`).
         """
@@ -108,20 +124,27 @@ class DeviceGraphs:
             if after_warmup is not None:
                 after_warmup()
             _torch_internals.free_cublas_workspaces()
-            if draws_random:
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+            if route == "raw":
+                result = graph.capture(fn)
             else:
-                self.generator.capture_begin(graph, pool)
-            try:
-                result = fn()
-            except BaseException:
-                try:
-                    graph.capture_end()
-                except Exception:  # the capture is broken either way: fn's error says why, not this one
-                    pass
-                raise
-            graph.capture_end()
+                result = self._torch_capture(graph, pool, fn, route)
         torch.cuda.current_stream().wait_stream(side)
+        return result
+
+    def _torch_capture(self, graph: torch.cuda.CUDAGraph, pool, fn, route: str):
+        if route == "aside":
+            self.generator.capture_begin(graph, pool)
+        else:
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        try:
+            result = fn()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:  # the capture is broken either way: fn's error says why, not this one
+                pass
+            raise
+        graph.capture_end()
         return result
 
     def recover(self) -> None:
@@ -186,6 +209,15 @@ class GeneratorAside:
             graph.capture_begin(pool=pool, capture_error_mode="thread_local")
         finally:
             self.default.graphsafe_set_state(own)
+
+
+def _begin_route() -> str:
+    """How a piece that draws no random numbers is captured: ``"raw"`` where ``capture_begin``
+    marks the default generator (torch < 2.12) and libcudart loads: the CUDA runtime's own capture
+    (``runtime/_torch_internals.py``), which touches no generator; else ``"aside"``, a ``CUDAGraph`` begun
+    with :class:`GeneratorAside` (on torch < 2.12 that leaves a window of microseconds per capture
+    in which another thread's draw fails; 2.12+ marks no generator a capture does not use)."""
+    return "raw" if capture_marks_default_generator() and not isinstance(cudart(), str) else "aside"
 
 
 _DEVICES: dict[int, DeviceGraphs] = {}

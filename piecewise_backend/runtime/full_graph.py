@@ -36,7 +36,7 @@ import torch
 
 from .. import _torch_internals, op_names
 from ..kinds import CaptureHow, GraphMode
-from .buffers import narrowed, owned_copy, weak_alias
+from .buffers import InputArenas, narrowed, owned_copy, weak_alias
 from .capture_policy import Route
 from .devices import device_graphs
 from .distributed import agreed_refusal
@@ -70,6 +70,7 @@ class FullGraphs:
         self.written = frozenset(i for i in self.plan.in_place if i not in weights)
         self.clone = graph.config.clone_outputs
         self.state = FullGraphState()
+        self.arenas = InputArenas()  # the copied inputs' buffers, shared by every key (buffers.py)
 
     def call(self, key: tuple, args: tuple):
         """Serve the call from a full graph (capturing it if it is the first at its key), or return
@@ -85,7 +86,7 @@ class FullGraphs:
 
     def _new_route(self, key: tuple) -> Route:
         graph, state = self.graph, self.state
-        route = graph.policy.full_route(key, state.graphs, state.failed, graph.pool_bytes, state.unreplayed,
+        route = graph.policy.full_route(key, state.graphs, state.failed, graph.memory_bytes, state.unreplayed,
                                         self.plan.refusal)
         if route.key is not None and not route.capture:
             state.unreplayed.discard(route.key)  # a captured key's first replay is routed here
@@ -136,7 +137,7 @@ class FullGraphs:
     def _capture(self, route: Route, args: tuple):
         graph, key = self.graph, route.key
         values = {**symbol_values(self.input_specs, args), **dict(zip(self.symbols, key))}
-        before, start = graph.pool_bytes(), time.perf_counter()
+        before, start = graph.memory_bytes(), time.perf_counter()
         capture_args, copies, written = self._inputs(args, route, values)
         graph.step.inside_full_graph()
         try:
@@ -182,7 +183,7 @@ class FullGraphs:
             size = list(arg.shape)
             if dim is not None:
                 size[dim] = key_size
-            buf = capture_args[i] = owned_copy(arg, self.input_specs[i], values, size, dim)
+            buf = capture_args[i] = owned_copy(arg, self.input_specs[i], values, size, dim, self.arenas, i)
             copies.append((i, buf, buf.data_ptr()))
         return capture_args, copies, written
 
@@ -196,8 +197,9 @@ class FullGraphs:
                 return graph.forward_split(*capture_args)
 
         if graph.device.type == "cuda":
-            recorded = torch.cuda.CUDAGraph()
-            outputs = as_tuple(device_graphs(graph.device).capture(recorded, watched, 0, None, self.plan.draws_random))
+            recorded, outputs = device_graphs(graph.device).capture(watched, 0, None, self.plan.draws_random,
+                                                                    capture_args)
+            outputs = as_tuple(outputs)
         else:
             recorded = EmulatedGraph(lambda: graph.forward_split(*capture_args), [], watched)
             outputs = recorded.outputs

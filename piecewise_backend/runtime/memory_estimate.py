@@ -1,27 +1,30 @@
-"""Graph memory known before the KV cache is sized: the pool a list of sizes needs, from three captures.
+"""Graph memory known before the KV cache is sized: what a list of sizes needs, from two captures.
 
-Why it can be predicted: every graph of a device captures into one pool, and a captured step's
-temporaries are free once the step ends (outputs are kept as non-owning aliases), so the next
-capture reuses them. Two parts make the pool of a list of sizes:
+Graph memory is the graph pool (every graph of a device captures into one) and the buffers the
+captures copy their inputs into (``buffers.InputArenas``: one per input, shared by all sizes).
+Why it can be predicted from the largest size: a captured step's temporaries are free once the
+step ends (outputs are kept as non-owning aliases), so the next capture reuses them, and a smaller
+size fits in what a larger one freed; the input buffers of every size are the first rows of the
+largest's. So once the largest and the smallest of a list are captured (largest first, as
+``capture()`` goes), the others add next to nothing (measured per size: ``"graph_memory_sweep"``,
+``benchmarks/README.md``).
 
-* what the largest needs while it runs: activations that grow with its rows on top of a fixed
-  part (workspaces, the keeper): a line through the pool after the smallest alone and after the
-  largest (16-layer Llama on the H200: 67 sizes held about the bytes of size 512 alone);
-* what each further size keeps of its own once captured, whatever it reuses: measured as the
-  growth of one size captured after the largest. On the serving engine (28 layers, 29 pieces
-  per size) it was ~0.4 MiB a size: 98 MiB for 67 sizes where the line alone said 72 MiB
-  (``"graph_memory_estimate"``, code hash ``bbf21f8e``, before this term).
+The old estimate (three captures, then a line plus a per-size term) missed on the serving engine
+because it took the growth of one size captured after the largest for bytes every size keeps;
+sizes keep none. What does make a pool larger is order: a capture larger than every free block
+takes a new segment, and what the smaller sizes before it freed stays reserved in the pool, so
+sizes captured in growing order (lazily, as traffic grows) can hold more than the largest alone.
+The estimate is for sizes captured as ``capture()`` captures them.
 
-So :func:`estimate` captures the smallest, the largest and then one more size of those asked about
-(the smallest not yet captured), reading the pool after each. Sizes captured before keep their
-order: a smallest captured after the largest gives no "alone" point (the line is then flat at the
-largest's bytes, an over-estimate for lists without it). The captures are real and stay (the
-sizes are then served). The estimate answers for any list (``for_sizes``) and a budget
-(``largest_size_within``).
+So :func:`estimate` captures the largest and then the smallest of the sizes asked about (those not
+captured yet) and reads graph memory after each. For lists whose largest size is smaller, memory
+is a line in the largest size: through the smallest alone when it came first, else through what
+the device held before the first capture. The captures are real and stay (the sizes are then
+served). The estimate answers for any list (``for_sizes``) and a budget (``largest_size_within``).
 
 Vendors' estimates miss by 3x in both directions (vLLM #45178, #51590) because they sum per-size
 costs that the pool shares, or profile without the capture's own allocations; this one is the
-allocator's own count of the pool, measured, for this model on this device.
+allocator's own count, measured, for this model on this device.
 """
 
 from __future__ import annotations
@@ -32,79 +35,73 @@ from typing import Iterable
 
 @dataclasses.dataclass(frozen=True)
 class GraphMemoryEstimate:
-    """What the graph pool holds once sizes are captured.
+    """Graph memory once sizes are captured.
 
     Attributes:
         sizes: the sizes it was asked about.
-        measured: ((size, pool bytes after capturing it), ...), the points it rests on, in capture order.
-        fixed_bytes, bytes_per_row: the line of what the largest size of a list needs.
-        per_size_bytes: what each further size keeps of its own.
+        measured: ((size, graph memory after capturing it), ...), the points it rests on, in capture order.
+        fixed_bytes, bytes_per_row: the line in a list's largest size.
     """
 
     sizes: tuple
     measured: tuple
     fixed_bytes: float
     bytes_per_row: float
-    per_size_bytes: float = 0.0
 
     @property
     def predicted_bytes(self) -> int:
-        """The pool once all of ``sizes`` are captured."""
+        """Graph memory once all of ``sizes`` are captured."""
         return self.for_sizes(self.sizes)
 
     def for_sizes(self, sizes: Iterable[int]) -> int:
-        """The pool once ``sizes`` are captured: the line at the largest, and each other size's own bytes."""
-        distinct = set(sizes)
-        line = self.fixed_bytes + self.bytes_per_row * max(distinct)
-        return int(max(0.0, line + self.per_size_bytes * (len(distinct) - 1)))
+        """Graph memory once ``sizes`` are captured (largest first): the line at the largest."""
+        return int(max(0.0, self.fixed_bytes + self.bytes_per_row * max(sizes)))
 
     def largest_size_within(self, budget_bytes: int, capture_sizes: Iterable[int]) -> int | None:
         """The largest of ``capture_sizes`` such that it and every smaller one fit ``budget_bytes``
         (None: not even the smallest)."""
-        ordered = sorted(set(capture_sizes))
-        fitting = [s for i, s in enumerate(ordered) if self.for_sizes(ordered[:i + 1]) <= budget_bytes]
+        fitting = [s for s in set(capture_sizes) if self.for_sizes([s]) <= budget_bytes]
         return max(fitting) if fitting else None
 
     def __str__(self) -> str:
         points = ", ".join(f"{s}: {b / 2**20:.1f} MiB" for s, b in self.measured)
-        return (f"graph pool for {len(set(self.sizes))} sizes up to {max(self.sizes)}: "
-                f"{self.predicted_bytes / 2**20:.1f} MiB (measured {points}; {self.fixed_bytes / 2**20:.1f} MiB + "
-                f"{self.bytes_per_row / 2**10:.1f} KiB per row of the largest, {self.per_size_bytes / 2**10:.1f} "
-                f"KiB per further size)")
+        return (f"graph memory for {len(set(self.sizes))} sizes up to {max(self.sizes)}: "
+                f"{self.predicted_bytes / 2**20:.1f} MiB (measured after capturing {points}; "
+                f"{self.fixed_bytes / 2**20:.1f} MiB + {self.bytes_per_row / 2**10:.1f} KiB per row of the largest)")
 
 
 def fit(points: list[tuple[int, int]]) -> tuple[float, float]:
-    """(fixed, per_row) of the line through two (size, bytes) points; through the origin for one."""
+    """(fixed, per_row) of the line through two (size, bytes) points; flat for one."""
     (s1, b1), (s2, b2) = points[0], points[-1]
     if s1 == s2:
-        return 0.0, b2 / s2
+        return float(b2), 0.0
     per_row = max(0.0, (b2 - b1) / (s2 - s1))
-    return b1 - per_row * s1, per_row
+    return b2 - per_row * s2, per_row
 
 
 def from_events(sizes: tuple, events: list, position: int) -> GraphMemoryEstimate:
-    """The estimate from a graph's capture events of ``sizes`` (``stats.events``, in capture order):
-    the line through the smallest alone (when it came first) and the largest, and the mean growth
-    of the sizes captured after the largest as each further size's own bytes."""
+    """The estimate from a graph's capture events of ``sizes`` (``stats.events``, in capture order;
+    their ``pool_bytes`` is graph memory after each): what the graph held once the largest and the
+    smallest were both captured, and the line to it from the smallest alone (when it came first)
+    or from before the first capture."""
     first = {}  # size -> its first capture event, in capture order
     for event in events:
         first.setdefault(event.key[position], event)
     order = list(first)
     smallest, largest = min(sizes), max(sizes)
-    after = [first[s].pool_growth for s in order[order.index(largest) + 1:]]
-    per_size = sum(after) / len(after) if after else 0.0
-    largest_alone = first[largest].pool_bytes - per_size * order.index(largest)  # less the sizes before it
-    if smallest != largest and order[0] == smallest:  # captured first: the pool as it was, plus it alone
-        fixed, per_row = fit([(smallest, first[smallest].pool_bytes), (largest, largest_alone)])
-    else:  # no smaller size alone: what the largest needs, for every list
-        fixed, per_row = largest_alone, 0.0
+    both = first[order[max(order.index(smallest), order.index(largest))]].pool_bytes
+    if order.index(smallest) < order.index(largest):  # the smallest alone, then the largest
+        start = (smallest, first[smallest].pool_bytes)
+    else:  # the largest first: the line starts at what the device held before
+        start = (0, first[order[0]].pool_bytes - first[order[0]].pool_growth)
+    fixed, per_row = fit([start, (largest, both)])
     measured = tuple((s, first[s].pool_bytes) for s in order)
-    return GraphMemoryEstimate(tuple(sorted(sizes)), measured, fixed, per_row, per_size)
+    return GraphMemoryEstimate(tuple(sorted(sizes)), measured, fixed, per_row)
 
 
 def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
-    """Capture the smallest, the largest and one more of ``sizes`` (those not captured yet) on
-    ``graph`` and predict the pool of all of them (see the module docstring)."""
+    """Capture the largest and the smallest of ``sizes`` (those not captured yet) on ``graph`` and
+    predict the graph memory of all of them (see the module docstring)."""
     if graph.device.type != "cuda":
         raise ValueError(f"piecewise: graph {graph.serial} runs on {graph.device}: graph memory is measured from "
                          f"the CUDA allocator's pool; estimate on the GPU the model will serve on.")
@@ -112,22 +109,9 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
     if not keys:
         raise ValueError(f"piecewise: no capture size of graph {graph.serial} among {sizes!r}.")
     position = graph.pad_position
-
-    def ensure(key) -> None:
+    for key in (keys[0], keys[-1]):  # the largest, then the smallest
         if key not in graph.captured and not graph.capture([key[position]]):
             raise RuntimeError(f"piecewise: graph {graph.serial} did not capture size {key[position]} (see its "
                                f"warnings and stats.summary()); nothing to measure.")
-
-    def measure() -> GraphMemoryEstimate:
-        asked = set(keys)
-        return from_events(tuple(k[position] for k in keys), [e for e in graph.stats.events if e.key in asked],
-                           position)
-
-    for key in (keys[-1], keys[0]):  # the smallest, then the largest
-        ensure(key)
-    guess = measure()
-    more = next((k for k in reversed(keys) if k not in graph.captured), None)
-    if guess.measured[-1][0] == keys[0][position] and more is not None:  # no size captured after the largest
-        ensure(more)
-        guess = measure()
-    return guess
+    asked = set(keys)
+    return from_events(tuple(k[position] for k in keys), [e for e in graph.stats.events if e.key in asked], position)

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .. import _torch_internals, op_names
-from .buffers import fits_in_storage, narrowed, owned_copy, weak_alias
+from .buffers import InputArenas, fits_in_storage, narrowed, owned_copy, weak_alias
 from .devices import device_graphs
 from .distributed import RankAgreement, agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
@@ -99,7 +99,7 @@ class StepState:
 
 @dataclasses.dataclass
 class _Captured:
-    graph: torch.cuda.CUDAGraph
+    graph: Any  # a torch.cuda.CUDAGraph, a RawGraph (devices.py), or an EmulatedGraph on CPU: replay()
     checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
     #               that is not a parameter/buffer
     outputs: Any  # the piece's output structure, tensors as non-owning aliases
@@ -144,6 +144,7 @@ class PieceRunner:
         self.agreement = agreement
         self.device = device  # the graph's: where a piece without tensor inputs captures
         self.captures: dict[tuple, _Captured] = {}
+        self.arenas = InputArenas()  # the copied inputs' buffers, shared by every key (buffers.py)
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(piece.escaping_outputs)  # any output to copy out of the pool
 
@@ -270,7 +271,7 @@ class PieceRunner:
             self.stats.failures.append(reason)
             warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
             return self._ungraphed(args)
-        if isinstance(captured.graph, torch.cuda.CUDAGraph):
+        if self._device(args).type == "cuda":
             captured.graph.replay()  # capture does not run kernels; this call's outputs come from a replay
         self.captures[key] = captured
         elapsed = time.perf_counter() - start
@@ -309,7 +310,7 @@ class PieceRunner:
                 buf = staged  # an earlier piece of this call copied the same source into it
                 capture_args[i] = buf
             else:
-                buf = owned_copy(arg, self.arg_specs[i], step.sym_values, size, dim)
+                buf = owned_copy(arg, self.arg_specs[i], step.sym_values, size, dim, self.arenas, i)
                 capture_args[i] = buf
                 if stage is not None:
                     step.staged[stage] = buf
@@ -341,9 +342,9 @@ class PieceRunner:
                 return self.fn(*call_args)
 
         if device.type == "cuda":
-            graph = torch.cuda.CUDAGraph()
-            outputs = as_tuple(device_graphs(device).capture(graph, lambda: watched(*capture_args), self.warmup_runs,
-                                                              restore, self.draws_random))
+            graph, outputs = device_graphs(device).capture(lambda: watched(*capture_args), self.warmup_runs, restore,
+                                                           self.draws_random, capture_args)
+            outputs = as_tuple(outputs)
         else:
             for _ in range(self.warmup_runs):
                 self.fn(*capture_args)

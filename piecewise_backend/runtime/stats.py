@@ -34,7 +34,7 @@ class CaptureEvent:
     key: tuple  # the shape key (batch size as captured, after padding)
     how: CaptureHow  # lazy (first sight in a call) or up-front (eager_capture_sizes / capture())
     seconds: float  # wall time of the capturing step (warm-up, capture and replay of every piece)
-    pool_bytes: int  # graph pool bytes after it (measured by the CUDA allocator)
+    pool_bytes: int  # graph memory after it: the pool (the CUDA allocator's count) and the input buffers
     pool_growth: int  # bytes the pool grew by
     pieces: int  # pieces captured (pieces whose capture failed run un-graphed at this key)
     call: int  # the graph's call count when it happened (eager captures of the first call: 1)

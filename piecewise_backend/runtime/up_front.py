@@ -128,7 +128,7 @@ class UpFrontCapture:
         todo = [k for k in self.keys_of(sizes) if k not in graph.captured]
         done = []
         for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
-            route = graph.policy.admit(key, graph.captured, graph.pool_bytes)
+            route = graph.policy.admit(key, graph.captured, graph.memory_bytes)
             if not route.capture:
                 graph.warn_once(Miss.OVER_BUDGET, f"piecewise: graph {graph.serial}: stopped capturing at shape "
                                                   f"key {key}: {route.detail}.")

@@ -66,6 +66,17 @@ class WeightSet:
     retries: CaptureRetries = dataclasses.field(default_factory=CaptureRetries)  # keys whose capture failed
     full: FullGraphState = dataclasses.field(default_factory=FullGraphState)
 
+    def release(self) -> int:
+        """Forget this set's graphs; the number of keys released. Keys whose capture failed stay
+        un-graphed."""
+        released = len(self.captured)
+        for captures in self.captures.values():
+            captures.clear()
+        self.captured.clear()
+        self.unreplayed.clear()
+        self.routes.clear()  # routes to captured keys would replay graphs that are gone
+        return released + self.full.clear()
+
 
 class WeightSets:
     """The sets of parameter/buffer addresses a graph has seen, and which one is active."""

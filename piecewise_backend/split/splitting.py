@@ -268,6 +268,9 @@ def _is_dead_and_pure(node: torch.fx.Node) -> bool:
     """Nothing reads it and dropping it changes nothing: no write, no side effect, no random draw."""
     if node.op not in ("call_function", "call_method") or node.users or node.is_impure():
         return False
+    op = canonical_op_name(node.target) if node.op == "call_function" else None
+    if op is not None and not op.startswith("aten::"):
+        return False  # a custom op: it may act where its schema does not say (a collective, a print)
     name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
     return not (facts.mutated_inputs(node) or facts.is_barrier(node) or is_random_op(node.target)
                 or any(word in name.lower() for word in _RANDOM_WORDS))
