@@ -94,13 +94,13 @@ def sweep(graph, sizes: list, order_name: str) -> list:
     ordered = sorted(sizes, reverse=True)
     order = [ordered[0], ordered[-1], *ordered[1:-1]] if order_name == "descending" else sorted(sizes)
     rows = [{"size": None, "pool": piecewise_backend.pool_bytes(), "pool_allocated": pool_allocated_bytes(),
-             "inputs": sum(a.nbytes() for a in graph.input_arenas()), "already": sorted(k[graph.pad_position]
+             "inputs": graph.input_buffer_bytes(), "already": sorted(k[graph.pad_position]
                                                                                        for k in graph.captured)}]
     for size in order:
         graph.capture([size])
         torch.cuda.synchronize()
         rows.append({"size": size, "pool": piecewise_backend.pool_bytes(), "pool_allocated": pool_allocated_bytes(),
-                     "inputs": sum(a.nbytes() for a in graph.input_arenas())})
+                     "inputs": graph.input_buffer_bytes()})
     return rows
 
 

@@ -81,7 +81,7 @@ def graph_memory_bytes(device: torch.device | str | int | None = None) -> int:
 
     graphs = [g for g in compiled_graphs() if on_device(g)]
     pool = pool_bytes(device) if device.type == "cuda" else 0
-    return pool + sum(a.nbytes() for g in graphs for a in g.input_arenas())
+    return pool + sum(g.input_buffer_bytes() for g in graphs)
 
 
 def release_graphs() -> int:

@@ -34,8 +34,8 @@ class InputArenas:
     from the start of it, laid out as the compiled code expects for that key.
 
     Why: copied inputs (user inputs, attention outputs) used to get a buffer per input per key, so
-    their memory grew with the sum of the captured sizes, outside the graph pool and uncounted
-    (the serving engine's 67 sizes: gigabytes). One call of a graph runs at a time (its call
+    their memory grew with the sum of the captured sizes, outside the graph pool and uncounted.
+    One call of a graph runs at a time (its call
     guard), and every replay first copies its inputs into these buffers, so keys can share them:
     the memory is that of the largest key captured (largest first, as ``capture()`` goes) plus,
     when captures come in growing sizes, the smaller buffers that earlier keys' graphs still read.

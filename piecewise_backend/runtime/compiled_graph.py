@@ -361,10 +361,13 @@ class CompiledGraph:
         """The buffers captures copy their inputs into (``buffers.InputArenas``): per runner, and full graphs'."""
         return [r.arenas for r in self.runners.values()] + [self.full.arenas]
 
+    def input_buffer_bytes(self) -> int:
+        """Bytes of the buffers this graph's captures copy their inputs into (outside the pool)."""
+        return sum(a.nbytes() for a in self.input_arenas())
+
     def memory_bytes(self) -> int:
-        """Graph memory: the device's graph pool and this graph's input buffers (outside the pool)."""
-        pool = pool_bytes(self.device) if self.device.type == "cuda" else 0
-        return pool + sum(a.nbytes() for a in self.input_arenas())
+        """Graph memory: the device's graph pool and this graph's input buffers."""
+        return (pool_bytes(self.device) if self.device.type == "cuda" else 0) + self.input_buffer_bytes()
 
     def _record_capture(self, key: tuple, how: CaptureHow, seconds: float, before: int) -> None:
         after = self.memory_bytes()

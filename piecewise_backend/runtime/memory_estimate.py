@@ -6,8 +6,8 @@ Why it can be predicted from the largest size: a captured step's temporaries are
 step ends (outputs are kept as non-owning aliases), so the next capture reuses them, and a smaller
 size fits in what a larger one freed; the input buffers of every size are the first rows of the
 largest's. So once the largest and the smallest of a list are captured (largest first, as
-``capture()`` goes), the others add next to nothing (measured per size: ``"graph_memory_sweep"``,
-``benchmarks/README.md``).
+``capture()`` goes), the others add next to nothing (measured per size: ``graph_memory.py
+--sweep``, ``benchmarks/README.md``).
 
 The old estimate (three captures, then a line plus a per-size term) missed on the serving engine
 because it took the growth of one size captured after the largest for bytes every size keeps;
