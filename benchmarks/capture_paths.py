@@ -3,7 +3,7 @@
     python benchmarks/capture_paths.py BATCH
 
 The limit's Inductor-compiled decode step (16L whole-cache idiom) captured five ways in one process
-and each replayed alone: ``torch.cuda.graph``; the backend's own capture (``DeviceGraphs.capture``:
+and each replayed alone: ``torch.cuda.graph``; the backend's own capture (``DeviceGraphs.record``:
 a shared pool, ``capture_error_mode="thread_local"``, cuBLAS workspaces from the pool); and each
 of those three differences alone. On the H200 at code hash ``95a5198c…``, batch 8: 680.3–682.6 µs
 per replay, all five within 0.4%: the capture path does not make a graph slower.
@@ -35,7 +35,7 @@ with torch.inference_mode():
     with torch.cuda.graph(g):
         fn()
     graphs["A torch.cuda.graph"] = g
-    graphs["B ours (DeviceGraphs.capture)"], _ = device_graphs(torch.device("cuda")).capture(fn, warmup_runs=1)
+    graphs["B ours (DeviceGraphs.record)"], _ = device_graphs(torch.device("cuda")).record(fn, warmup_runs=1)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         fn()

@@ -83,7 +83,7 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
         plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
         compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
         del run  # fake values of every intermediate: the plan keeps none
-    graph = register(SaveableGraph(plan, config, compiled))
+    graph = register(SaveableGraph(plan, compiled))
     if serve_first and plan.pieces and plan.graphs_disabled_reason is None:  # else: nothing to switch to
         CompileBehind.shared(device).submit(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
                                             _attention_ops(config), graph.code_switch.post, plan, str(graph.serial))
@@ -113,16 +113,17 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
         static_names |= written_in_place(gm.graph, steps) | kv_written_inputs(gm.graph, steps)
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
-    off = graphs_disabled_reason(config, example_inputs, python_scalars=facts.python_scalar_inputs(gm.graph))
+    off = graphs_disabled_reason(config, example_inputs, [n.name for n in placeholders],
+                                 facts.python_scalar_inputs(gm.graph))
     mark_attention_paths(gm.graph, static_names, facts.step_symbols(gm.graph),
                          off or (None if config.graph_attention else "graph_attention=False in options"))
     found = None
     if (config.capture_kv_writes or config.graph_attention) and off is None:
         found = rewrite_decode(gm, static_names, config.capture_kv_writes, config.graph_attention)
     if found is None:
-        return GraphInputs(gm, fake_mode, tuple(fake_inputs), frozenset(static_names), None)
+        return GraphInputs(gm, fake_mode, tuple(fake_inputs), frozenset(static_names), None, off)
     _log_graph("piecewise graph with the KV writes moved into compute", found.graph_module)
-    return GraphInputs.with_rewrite(found, fake_mode, fake_inputs, static_names)
+    return GraphInputs.with_rewrite(found, fake_mode, fake_inputs, static_names, off)
 
 
 def _split(inputs: GraphInputs, config: PiecewiseConfig) -> SplitGraph:

@@ -71,3 +71,17 @@ class PieceSpec:
     eager_reasons: tuple[str, ...]  # why its non-split nodes run eagerly, one line per node
     num_ops: int
     writes_inputs: tuple[str, ...] = ()  # graph inputs (parameters/buffers) a compute piece writes
+
+
+STEP_SCALARS_ENABLE = 0  # the step scalars' slot 0: 1 = write, 0 = write every element back unchanged
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One step scalar (``rewrite/step_scalars.py``): which graph input feeds it and what it must satisfy."""
+
+    arg: int  # position of the SymInt graph input
+    name: str
+    low: int  # value must be >= low ...
+    high: int  # ... and <= high
+    what: str  # the reader it guards, for the error message

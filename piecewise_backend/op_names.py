@@ -15,9 +15,13 @@ import torch.nn.functional as F
 
 from . import _torch_internals
 
+#: SDPA as the dispatcher names it (``F.scaled_dot_product_attention`` records as it): the one
+#: spelling of its name in the package.
+SDPA = "aten::scaled_dot_product_attention"
+
 #: Split here by default: every form of SDPA a model may call, public or backend-specific.
 DEFAULT_SPLITTING_OPS: tuple[str, ...] = (
-    "aten::scaled_dot_product_attention",
+    SDPA,
     "aten::_scaled_dot_product_flash_attention",
     "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention",
@@ -29,8 +33,8 @@ GRAPH_ATTENTION_OP = "piecewise::prefix_attention"
 
 # Python-level callables that are the same op as an aten op (Dynamo records the callable).
 _PYTHON_ALIASES: dict[object, str] = {
-    F.scaled_dot_product_attention: "aten::scaled_dot_product_attention",
-    _torch_internals.C_SDPA: "aten::scaled_dot_product_attention",
+    F.scaled_dot_product_attention: SDPA,
+    _torch_internals.C_SDPA: SDPA,
 }
 
 

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from piecewise_backend.ops.prefix_attention import prefix_attention
-from piecewise_backend.rewrite.step_scalars import StepScalars
+from piecewise_backend.runtime.step_scalars import StepScalars
 from toys.models import ToyConfig, ToyLlama
 
 from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \

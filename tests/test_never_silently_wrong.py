@@ -276,3 +276,64 @@ def test_batch_norm_in_train_mode_full_mode_compiles():
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), reference(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(net[1].running_var, reference[1].running_var)
+
+
+class Accumulates(torch.nn.Module):
+    """A buffer scaled in place every call (full mode captures the write: not idempotent)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("acc", torch.ones(4, 8))
+
+    def forward(self, x):
+        self.acc.mul_(0.5)
+        return self.lin(x) + self.acc[: x.shape[0]]
+
+
+def test_a_compiled_piece_that_raises_after_writing_is_undone_before_its_traced_code_runs():
+    """Compiled code that scaled the buffer and then raised: the traced code runs instead, on the
+    buffer as it was before (scaled once per call, as eager does), with a warning naming the error."""
+    torch._dynamo.reset()
+    start = last_serial()
+    net = Accumulates().eval()
+    reference = copy.deepcopy(net)
+    compiled = torch.compile(net, backend="piecewise", options={"mode": "full", "compiler": "eager",
+                                                                 "cudagraphs": False})
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(compiled(x), reference(x))
+    runner = next(r for r in busiest_graph(start).runners.values() if r.piece.restore_after_warmup)
+    traced = runner.eager_fn
+
+    def writes_then_raises(*args):
+        traced(*args)  # the write happens ...
+        raise RuntimeError("injected: compiled code broke after its write")  # ... then the code fails
+
+    runner.fn = writes_then_raises
+    with pytest.warns(UserWarning, match="compiled code raised RuntimeError: injected"):
+        torch.testing.assert_close(compiled(x), reference(x))
+    torch.testing.assert_close(net.acc, reference.acc)  # 0.25 everywhere: twice scaled, not three times
+    torch.testing.assert_close(compiled(x), reference(x))  # and the traced code from now on
+    torch.testing.assert_close(net.acc, reference.acc)
+
+
+def test_an_assertion_the_compiled_code_raises_is_not_taken_for_inductors_stride_check():
+    """Only Inductor's input check is answered by re-laying the inputs out; any other
+    AssertionError of the compiled code goes to the fallback (the traced code), once, loudly."""
+    torch._dynamo.reset()
+    start = last_serial()
+    net = torch.nn.Linear(8, 8).eval()
+    compiled = torch.compile(net, backend="piecewise", options={"compiler": "eager", "cudagraphs": False})
+    x = torch.randn(3, 8)
+    compiled(x)
+    runner = next(iter(busiest_graph(start).runners.values()))
+    relaid = []
+    runner._expected_layout = lambda args: relaid.append(args)  # what the stride path would call
+
+    def asserts(*args):
+        raise AssertionError("the code's own check")
+
+    runner.fn = asserts
+    with pytest.warns(UserWarning, match="compiled code raised AssertionError: the code's own check"):
+        torch.testing.assert_close(compiled(x), net(x))
+    assert relaid == []

@@ -8,6 +8,8 @@ import pathlib
 import re
 import tokenize
 
+import pytest
+
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "piecewise_backend"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
@@ -215,3 +217,128 @@ def test_the_layering_check_refuses_a_runtime_module_that_imports_compile_time()
         "piecewise_backend.runtime.compiled_graph -> piecewise_backend.plan.making",
         "piecewise_backend.runtime.piece_runner -> piecewise_backend.split.splitting",
     ]
+
+
+# -- the plan is a run-time value: its module imports no stage, its objects hold no compile-time thing ---
+
+#: Modules held to a stricter rule than their folder's: what they may import besides ``SHARED``.
+VALUE_MODULES = {"plan.types": set()}
+
+
+def value_module_violations(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each import of a value module (``plan/types.py``) outside ``SHARED``."""
+    found = []
+    for inside, allowed in VALUE_MODULES.items():
+        module = f"piecewise_backend.{inside}"
+        for target in sorted(graph.get(module, ())):
+            if _where(target) not in SHARED and target.removeprefix("piecewise_backend.") not in allowed:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_the_plan_types_import_no_compile_stage():
+    graph = _graph(type_only=True)
+    assert "piecewise_backend.kinds" in graph["piecewise_backend.plan.types"]  # edges seen
+    assert value_module_violations(graph) == []
+
+
+def test_the_value_module_check_refuses_a_plan_that_imports_a_stage():
+    """What the check says of the ``plan/types.py`` of ``dda5f7c``, which imported the rewrite stage."""
+    graph = {"piecewise_backend.plan.types": {"piecewise_backend.rewrite", "piecewise_backend.kinds",
+                                              "piecewise_backend._torch_internals"}}
+    assert value_module_violations(graph) == ["piecewise_backend.plan.types -> piecewise_backend.rewrite"]
+
+
+#: Where a compile-time object's class lives: none may be reachable from a plan.
+COMPILE_TIME = ("piecewise_backend.rewrite", "piecewise_backend.split", "piecewise_backend.compiling",
+                "piecewise_backend.fx", "piecewise_backend.plan.making", "piecewise_backend.plan.inputs",
+                "piecewise_backend.plan.padding", "piecewise_backend.plan.rows", "piecewise_backend.config",
+                "torch._subclasses", "torch.fx.node", "torch.fx.experimental", "torch._guards")
+
+
+def compile_time_objects(value, path: str = "plan", seen: set | None = None) -> list[str]:
+    """``path: type`` of every object reachable from ``value`` (fields, containers) whose class
+    belongs to compile time: a fake tensor, a graph node, a shape environment, a stage's own type,
+    the user's config (run-time settings travel as ``RuntimeSettings``). The program's graph
+    module is walked only for its nodes' metadata (dropped by ``FxProgram``)."""
+    import dataclasses
+
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(value) in seen or value is None or isinstance(value, (str, int, float, bool, torch.dtype, torch.device)):
+        return []
+    seen.add(id(value))
+    module = type(value).__module__
+    if module.startswith(COMPILE_TIME):
+        return [f"{path}: {module}.{type(value).__qualname__}"]
+    if isinstance(value, torch.fx.GraphModule):
+        return [f"{path}.{n.name}.meta" for gm in (value, *value.children()) if isinstance(gm, torch.fx.GraphModule)
+                for n in gm.graph.nodes if n.meta]
+    found = []
+    if dataclasses.is_dataclass(value):
+        for field in dataclasses.fields(value):
+            found += compile_time_objects(getattr(value, field.name), f"{path}.{field.name}", seen)
+    elif isinstance(value, dict) or hasattr(value, "items"):
+        for k, v in value.items():
+            found += compile_time_objects(v, f"{path}[{k!r}]", seen)
+    elif isinstance(value, (tuple, list, set, frozenset)):
+        for i, v in enumerate(value):
+            found += compile_time_objects(v, f"{path}[{i}]", seen)
+    elif hasattr(value, "__dict__") and module.startswith("piecewise_backend"):
+        for k, v in vars(value).items():
+            found += compile_time_objects(v, f"{path}.{k}", seen)
+    return found
+
+
+@pytest.fixture(scope="module")
+def decode_plan():
+    """The plan of a toy decode step (step scalars, padding capacities, a full-graph plan), built
+    with ``compiler="eager"`` (no Inductor: fast)."""
+    import torch
+
+    from piecewise_backend import compiled_graphs, emulated_graphs
+    from tests.helpers import compile_with_reference, decode_at_sizes
+    from toys.models import ToyConfig, ToyLlama
+
+    with emulated_graphs():
+        compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=1, max_batch=4),
+                                                            {"compiler": "eager", "capture_sizes": [2, 4]})
+        with torch.no_grad():
+            decode_at_sizes(compiled, reference, [2, 3], steps=3)
+    graphs = [g.plan for g in compiled_graphs() if g.serial > start]
+    return next(plan for plan in graphs if plan.step_scalars is not None)
+
+
+def test_a_plan_holds_no_compile_time_object(decode_plan):
+    assert decode_plan.step_scalars is not None and decode_plan.padding.capacities  # the parts worth walking
+    assert compile_time_objects(decode_plan) == []
+
+
+def test_the_object_check_finds_a_fake_tensor_and_a_config_in_a_plan(decode_plan):
+    """What the check says of a plan that kept a fake value (as ``dda5f7c``'s kept fake outputs and
+    the fake mode) and the config beside its settings."""
+    import dataclasses
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from piecewise_backend import PiecewiseConfig
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(__import__("torch").zeros(2))
+    bad = dataclasses.replace(decode_plan, output_specs={"submod_0": fake},
+                              report=dataclasses.replace(decode_plan.report, attention=(PiecewiseConfig(),)))
+    assert compile_time_objects(bad) == [
+        "plan.output_specs['submod_0']: torch._subclasses.fake_tensor.FakeTensor",
+        "plan.report.attention[0]: piecewise_backend.config.PiecewiseConfig"]
+
+
+def test_run_time_reads_no_config_and_evaluates_no_plan_method():
+    """Run time takes its options from ``plan.settings`` (never ``config``), and evaluates the
+    plan's values with its own code: no plan type defines a method that computes from a proof."""
+    runtime = [p for p in MODULES if p.parent.name == "runtime"]
+    assert not [p.name for p in runtime if "PiecewiseConfig" in p.read_text() or ".config." in p.read_text()]
+    types = ast.parse((PACKAGE / "plan" / "types.py").read_text())
+    evaluating = [n.name for n in ast.walk(types) if isinstance(n, ast.FunctionDef)
+                  and any(isinstance(c, ast.Attribute) and c.attr in ("xreplace", "subs", "evalf") for c in ast.walk(n))]
+    assert evaluating == []

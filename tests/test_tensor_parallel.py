@@ -33,19 +33,19 @@ def _free_port() -> int:
 def _fail_capture_at(key: tuple, nth: int) -> None:
     """Make this process's ``nth`` piece capture at ``key`` fail once the graph is built (where a
     CUDA capture fails: after the warm-up, at capture), as a capture error on one rank only would."""
-    from piecewise_backend.runtime.piece_runner import PieceRunner
+    from piecewise_backend.runtime import piece_capture
 
-    record, seen = PieceRunner._record, []
+    record, seen = piece_capture._record_graph, []
 
-    def failing_record(self, *args):
-        result = record(self, *args)
-        if self.step.key == key:
-            seen.append(self.name)
+    def failing_record(runner, *args):
+        result = record(runner, *args)
+        if runner.step.key == key:
+            seen.append(runner.name)
             if len(seen) == nth:
                 raise RuntimeError("injected capture failure")
         return result
 
-    PieceRunner._record = failing_record
+    piece_capture._record_graph = failing_record
 
 
 def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None,

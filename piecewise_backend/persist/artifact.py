@@ -7,7 +7,7 @@ is the compiled graph every build returns; its bytes hold
 * a header: this format's number, a digest of the package's sources, torch's
   version, the graph's device. Loaded elsewhere (another torch, another package, no GPU where the
   graph ran on one), :class:`ArtifactMismatch` says which, and ``warm_start.load`` compiles instead;
-* the plan (a value: no fake tensor, no graph node), the config, each compute piece's code
+* the plan (a value: no fake tensor, no graph node; its run-time settings too), each compute piece's code
   (``piece_code.py``) and the distinct Inductor artifacts once each.
 
 Loading builds the graph from those with no trace and no compile; it captures lazily, as a fresh
@@ -28,7 +28,7 @@ from ..runtime.compiled_graph import CompiledGraph
 from . import _torch_internals
 from .piece_code import ArtifactTable, NotSaveable, load_code, save_code
 
-FORMAT = 1
+FORMAT = 2  # 2: the run-time settings travel in the plan
 
 
 class ArtifactMismatch(RuntimeError):
@@ -71,7 +71,7 @@ class SaveableGraph(CompiledGraph, _torch_internals.SerializableCallable):
                               "process groups live in one process.")
         table = ArtifactTable()
         code = {name: save_code(fn.compiled_code.get(name), name, table) for name in plan.pieces}
-        body = pickle.dumps({"plan": plan, "config": fn.config, "code": code, "artifacts": table.saved})
+        body = pickle.dumps({"plan": plan, "code": code, "artifacts": table.saved})  # the plan holds its settings
         return pickle.dumps((_header(plan.device), body))  # the header is read before anything is built
 
     @classmethod
@@ -81,7 +81,7 @@ class SaveableGraph(CompiledGraph, _torch_internals.SerializableCallable):
         state = pickle.loads(body)
         table = ArtifactTable(state["artifacts"])
         compiled = {name: load_code(saved, table) for name, saved in state["code"].items()}
-        graph = register(cls(state["plan"], state["config"], compiled))
+        graph = register(cls(state["plan"], compiled))
         graph.stats.loaded = True
         graph.stats.inductor_compiles, graph.stats.inductor_seconds = 0, 0.0  # the saving process's, not ours
         return graph

@@ -15,8 +15,8 @@ import torch
 import torch.fx
 
 from ..fx import graph_facts as facts
-from ..rewrite import PLACEHOLDER, Rewrite
-from .types import InputsPlan, describe
+from ..rewrite import PLACEHOLDER, Rewrite, example_tensor
+from .types import InputsPlan, StepScalarLayout, describe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,7 @@ class GraphInputs:
     fake_inputs: tuple
     static_names: frozenset  # placeholder names of parameters/buffers (and the step scalars)
     rewrite: Rewrite | None
+    graphs_off: str | None = None  # why the options or the inputs' devices keep graphs off (stage 1 asks once)
 
     @functools.cached_property
     def devices(self) -> frozenset:
@@ -68,11 +69,18 @@ class GraphInputs:
         """What run time reads of the inputs: their names, descriptions, and which are used in place."""
         return InputsPlan(self.names, tuple(describe(v) for v in self.fake_inputs), self.static_inputs,
                           self.python_scalars, self.weight_indices,
-                          self.rewrite.scalars if self.rewrite is not None else None)
+                          self.step_scalars)
+
+    @property
+    def step_scalars(self) -> StepScalarLayout | None:
+        rewrite = self.rewrite
+        return StepScalarLayout(rewrite.slots, rewrite.device, rewrite.writes_masked) if rewrite is not None else None
 
     @staticmethod
-    def with_rewrite(rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set) -> "GraphInputs":
+    def with_rewrite(rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set,
+                     graphs_off: str | None = None) -> "GraphInputs":
         """The rewritten graph's inputs: one more, the step scalars (a tensor Dynamo never saw: its
         static shape, not a fresh symbol)."""
-        fakes = (*fake_inputs, fake_mode.from_tensor(rewrite.scalars.tensor, static_shapes=True))
-        return GraphInputs(rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite)
+        fakes = (*fake_inputs, fake_mode.from_tensor(example_tensor(rewrite.slots, rewrite.device), static_shapes=True))
+        return GraphInputs(rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite,
+                           graphs_off)

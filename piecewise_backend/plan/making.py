@@ -17,7 +17,7 @@ from .._torch_internals import sym_expr
 from ..config import PiecewiseConfig
 from ..fx import graph_facts as facts
 from ..kinds import PieceKind
-from ..op_names import canonical_op_name
+from ..op_names import SDPA, canonical_op_name
 from ..ops.prefix_attention import PREFIX_ATTENTION
 from ..rewrite.graph_attention import PATH as ATTENTION_PATH
 from ..split.splitting import SplitGraph
@@ -29,14 +29,17 @@ from .sdpa_choice import choose as choose_sdpa
 from .signatures import piece_signatures
 from .staging import stage_keys
 from .inputs import GraphInputs
-from .types import FxProgram, GraphPlan, PaddingPlan, PiecePlan, PlanReport, ShapeKey, describe, graph_device
+from .types import (FxProgram, GraphPlan, PaddingPlan, PiecePlan, PlanReport, RuntimeSettings, ShapeKey, describe,
+                    graph_device)
 
 
-def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = frozenset(),
-                           names: list | None = None, python_scalars: frozenset = frozenset()) -> str | None:
-    """Why this graph never captures (None: it does). ``names``: the inputs' names, to say which
-    tensors keep a CUDA graph's inputs off the GPU (e.g. a 0-dim CPU counter a cache object holds).
-    ``python_scalars``: indices of Python floats passed as CPU scalars (host values, keyed by value)."""
+def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, names: list | None = None,
+                           python_scalars: frozenset = frozenset()) -> str | None:
+    """Why this graph never captures, by its options and inputs (None: it may). Asked once, by stage
+    1 (``backend._rewrite``), which hands the answer on in ``GraphInputs.graphs_off``. ``names``: the
+    inputs' names, to say which tensors keep a CUDA graph's inputs off the GPU (e.g. a 0-dim CPU
+    counter a cache object holds). ``python_scalars``: indices of Python floats passed as CPU
+    scalars (host values, keyed by value)."""
     if not config.cudagraphs:
         return "cudagraphs=False in options"
     fake_inputs = [v for i, v in enumerate(fake_inputs) if i not in python_scalars]
@@ -52,6 +55,10 @@ def graphs_disabled_reason(config: PiecewiseConfig, fake_inputs, missing: set = 
             reason += (f" ({', '.join(off[:3])}{f' and {len(off) - 3} more' if len(off) > 3 else ''}): a "
                        f"graph would keep their values of the capture; keep them on the GPU, or pass Python ints")
         return reason
+    return None
+
+
+def _missing_symbols_reason(missing: set) -> str | None:
     if missing:
         return f"compute pieces depend on symbols not read from any input ({', '.join(map(str, missing))})"
     return None
@@ -154,7 +161,7 @@ def _attention_calls(split: SplitGraph) -> list[tuple]:
     decode kernel the rewrite put in its place. One walk serves the report and the SDPA kernel choice."""
     return [(spec, node) for spec in split.pieces for node in getattr(split.graph_module, spec.name).graph.nodes
             if node.op == "call_function" and (node.target is PREFIX_ATTENTION or
-                                               canonical_op_name(node.target) == "aten::scaled_dot_product_attention")]
+                                               canonical_op_name(node.target) == SDPA)]
 
 
 def _attention(calls: list[tuple]) -> tuple:
@@ -248,8 +255,7 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
         pieces=_piece_plans(split, compiled, padding, staging, inputs.static_names | set(scalars.values()), unmasked),
         inputs=inputs.run_time(), output_specs={name: describe(v) for name, v in fake_outputs.items()},
         key=key, padding=padding,
-        graphs_disabled_reason=graphs_disabled_reason(
-            config, inputs.fake_inputs, missing, list(inputs.names), inputs.python_scalars),
+        graphs_disabled_reason=inputs.graphs_off or _missing_symbols_reason(missing),
         unmasked_writes=tuple(dict.fromkeys(w for writes in unmasked.values() for w in writes)),
         collective_groups=tuple(collective_groups(inputs.graph_module.graph)),
         sdpa_choice=choose_sdpa(config.eager_sdpa_backends,
@@ -258,5 +264,5 @@ def make_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, c
                                 "cuda" if emulating() else
                                 graph_device(inputs.fake_inputs, inputs.python_scalars).type),
         full=full_graph_plan(config, inputs, split, key, any(p.draws_random for p in compiled.values())),
-        report=_report(split, compiled, signatures, calls, compiler))
+        report=_report(split, compiled, signatures, calls, compiler), settings=RuntimeSettings.of(config))
     return GraphPlan(program=_program(split, compiled), **plan)

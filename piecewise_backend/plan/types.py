@@ -11,7 +11,11 @@ It is a value: no fake tensor, no graph node's metadata, no proof object outlive
 Tensors are described by :class:`TensorSpec` (sizes as ints or sympy expressions in the graph's
 symbols), so the plan pickles, and a process that loads it (``persist/``) runs it as the one that
 made it. Frozen: the run time wraps its pieces in a copy of the program, and writes each call's
-positions into step scalars of its own (``StepScalars.fresh``).
+positions into step scalars of its own (``runtime/step_scalars.py``, from :class:`StepScalarLayout`).
+
+It imports no compile stage and evaluates nothing: what run time computes from it (the row limits
+of :class:`Capacity`, symbol values) run time computes with its own code (``runtime/symbolic.py``).
+The options run time reads travel in it (:class:`RuntimeSettings`), not beside it.
 """
 
 from __future__ import annotations
@@ -24,8 +28,7 @@ import torch
 import torch.fx
 
 from .._torch_internals import sym_expr
-from ..kinds import PieceSpec
-from ..rewrite import StepScalars
+from ..kinds import PieceSpec, Slot
 
 
 # -- values, described -------------------------------------------------------------------------------
@@ -73,6 +76,16 @@ def describe(value: Any) -> Any:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepScalarLayout:
+    """The decode rewrite's step scalars as run time makes them: one int64 slot per per-step int after
+    the enable flag (``rewrite/step_scalars.py`` says why; ``runtime/step_scalars.py`` writes them)."""
+
+    slots: tuple[Slot, ...]
+    device: torch.device
+    writes_masked: bool  # the rewritten writes honour the enable flag (kv_writes.py)
+
+
+@dataclasses.dataclass(frozen=True)
 class InputsPlan:
     """The graph's inputs as run time reads them: Dynamo's, plus the step-scalar tensor when the
     decode rewrite added one (last)."""
@@ -82,7 +95,7 @@ class InputsPlan:
     static_inputs: frozenset  # indices of parameters/buffers (and the step scalars): used in place
     python_scalars: frozenset  # Python floats passed as CPU scalar tensors (host values, keyed by value)
     weight_indices: tuple  # the parameters/buffers whose addresses choose the set of graphs
-    step_scalars: StepScalars | None  # the decode rewrite's layout (None: no rewrite)
+    step_scalars: StepScalarLayout | None  # the decode rewrite's layout (None: no rewrite)
 
     @functools.cached_property
     def device(self) -> torch.device:
@@ -128,23 +141,6 @@ class Capacity:
     tensor: str  # the graph input (or value) read or written by batch row
     where: str  # which dim, and the node that does it, for people
     rows: Any  # an int, or a sympy expression in the graph's symbols
-
-
-def evaluate_rows(capacities, values: dict) -> int | None:
-    """The fewest rows any capacity allows at these symbol values (None: no limit; 0 when one cannot
-    be evaluated, which allows no padding)."""
-    limit = None
-    for capacity in capacities:
-        rows = capacity.rows
-        if not isinstance(rows, int):
-            rows = rows.xreplace(values)
-            rows = int(rows) if not getattr(rows, "free_symbols", None) else 0
-        limit = rows if limit is None else min(limit, rows)
-    return limit
-
-
-def _row_limit(capacities: tuple, symbols: tuple) -> Callable[[tuple], int | None] | None:
-    return (lambda key: evaluate_rows(capacities, dict(zip(symbols, key)))) if capacities else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +215,6 @@ class FullGraphPlan:
     draws_random: bool  # some op draws from the default CUDA generator (captured with it registered)
     returns_inputs: frozenset = frozenset()  # output positions that are views of inputs used in place
 
-    def row_limit(self, symbols: tuple) -> Callable[[tuple], int | None] | None:
-        return _row_limit(self.capacities, symbols)
-
 
 @dataclasses.dataclass(frozen=True)
 class PlanReport:
@@ -254,6 +247,28 @@ class FxProgram:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeSettings:
+    """The options run time reads (``config.PiecewiseConfig`` documents each), fixed at compile time."""
+
+    sizes: tuple  # the capture sizes, ascending
+    eager_sizes: tuple  # eager_capture_sizes, largest first
+    lazy_capture: bool
+    padding: bool
+    defer_captures: bool
+    max_graph_memory: int | None
+    max_captured_sizes: int | None
+    max_unreplayed_captures: int | None
+    max_weight_sets: int
+    warmup_runs: int
+    clone_outputs: bool
+
+    @classmethod
+    def of(cls, config) -> "RuntimeSettings":
+        """The run-time options of a ``PiecewiseConfig`` (validated)."""
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
 class GraphPlan:
     program: FxProgram
     piece_specs: tuple[PieceSpec, ...]  # every piece of the split graph, in order
@@ -268,6 +283,7 @@ class GraphPlan:
     sdpa_choice: SdpaChoice | None  # the SDPA kernels eager attention may use (None: torch's choice)
     full: FullGraphPlan  # how a call is captured whole, when its caller says it may be
     report: PlanReport  # what it tells people; nothing that runs a call reads it
+    settings: RuntimeSettings  # the options run time reads
     unsafe_ops: tuple = ()  # ops split at because they are tagged cudagraph_unsafe, once each
 
     @property
@@ -275,9 +291,5 @@ class GraphPlan:
         return self.inputs.device
 
     @property
-    def step_scalars(self) -> StepScalars | None:
+    def step_scalars(self) -> StepScalarLayout | None:
         return self.inputs.step_scalars
-
-    def row_limit(self) -> Callable[[tuple], int | None] | None:
-        """``key -> rows``: the most rows a padded batch may have at that key (None: no cap)."""
-        return _row_limit(self.padding.capacities, self.key.symbols)

@@ -9,6 +9,6 @@ inserts lives in ``ops/``.
 
 from .decode_rewrite import Rewrite, rewrite_decode
 from .kv_writes import kv_written_inputs
-from .step_scalars import PLACEHOLDER, StepScalars
+from .step_scalars import PLACEHOLDER, example_tensor
 
-__all__ = ["PLACEHOLDER", "Rewrite", "StepScalars", "kv_written_inputs", "rewrite_decode"]
+__all__ = ["PLACEHOLDER", "Rewrite", "example_tensor", "kv_written_inputs", "rewrite_decode"]

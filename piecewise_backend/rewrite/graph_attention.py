@@ -41,8 +41,9 @@ import torch.fx
 from .. import _torch_internals
 from ..fx import graph_facts as facts
 from ..fx.graph_facts import grows_by_cat
-from ..op_names import canonical_op_name
+from ..op_names import SDPA, canonical_op_name
 from ..ops.prefix_attention import PREFIX_ATTENTION
+from .graph_edit import Builder, Idiom, static_getitem
 from .repeated_heads import repeated_heads
 
 
@@ -61,11 +62,11 @@ class AttentionSite:
 def _sliced_buffer(node, static_names: set, dims: int):
     """(buffer, index) if ``node`` is ``buffer[s0, ..., s{dims-1}]``, every entry a slice, of a
     parameter/buffer; None otherwise."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+    sliced = static_getitem(node, static_names)
+    if sliced is None or not isinstance(node.args[1], tuple):
         return None
-    buffer, index = node.args
-    if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_names
-            and isinstance(index, tuple) and len(index) == dims and all(isinstance(s, slice) for s in index)):
+    buffer, index = sliced
+    if len(index) != dims or not all(isinstance(s, slice) for s in index):
         return None
     return buffer, index
 
@@ -209,7 +210,7 @@ def classify_attention(graph: torch.fx.Graph, static_names: set, steps: frozense
     roots = facts.alias_roots(graph)
     out = {}
     for node in graph.nodes:
-        if node.op == "call_function" and canonical_op_name(node.target) == "aten::scaled_dot_product_attention":
+        if node.op == "call_function" and canonical_op_name(node.target) == SDPA:
             out[node.name] = _site_or_reason(node, static_names, placeholders, steps, roots)
     return out
 
@@ -241,3 +242,22 @@ def rewrite_attention(site: AttentionSite, length_value: torch.fx.Node, add) -> 
         if not view.users:
             graph.erase_node(view)
     return node
+
+
+def _rewrite(site: AttentionSite, context) -> dict:
+    """The SDPA call replaced, reading its KV length from the step scalars (one length node for
+    every layer: Inductor kept 16 adds as 16 kernels); it reads ``cache[:B]`` (and the mask's rows)."""
+    add = Builder(site.node.graph, site.node, context.fake_mode, context.shared)
+    position, constant = site.length
+    length = add.once("call_function", operator.getitem, context.scalars, context.slot_of[position])
+    if constant:
+        length = add.once("call_function", operator.add, length, constant)
+    attention = rewrite_attention(site, length, add)
+    mask = ((site.mask, 0),) if site.mask is not None and facts.example_value(site.mask).shape[0] != 1 else ()
+    return {attention: tuple((buffer, 0) for buffer in site.buffers) + mask}
+
+
+GRAPH_ATTENTION = Idiom("graph attention", lambda writes, attention: attention, find_attention_sites,
+                        lambda site, slots: slots.need(*site.length, 1, site.size,
+                                                       f"the attention over {site.buffers[0].name}"),
+                        _rewrite)

@@ -1,4 +1,9 @@
-"""What the decode rewrites share: the slices they recognise and the nodes they build.
+"""What the decode rewrites share: the idiom protocol, the slices they recognise, the nodes they build.
+
+Each decode idiom (a KV write, graph-safe attention, a RoPE read, a step range) is one
+:class:`Idiom`: *find* its sites in the graph, state the *bounds* its step scalars must keep, and
+*rewrite* one site. ``decode_rewrite.py`` loops over them; a new idiom is a module and one entry
+in its ``IDIOMS``.
 
 A *site* is a slice of a parameter/buffer at a per-step position (``cache[:B, :, pos:pos + 1]``,
 ``cos[pos:pos + S]``): its indexed dims in a small closed form. :func:`indices` turns a site into the
@@ -11,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
+from typing import Callable
 
 import torch
 import torch.fx
@@ -19,6 +25,60 @@ from .. import _torch_internals
 from .._torch_internals import sym_expr
 from ..fx import graph_facts as facts
 from .step_scalars import ENABLE
+
+
+@dataclasses.dataclass(frozen=True)
+class RewriteContext:
+    """What rewriting one site needs: the step-scalar input and where each per-step int sits in it."""
+
+    scalars: torch.fx.Node  # the graph input the rewrite adds (``step_scalars.PLACEHOLDER``)
+    slot_of: dict  # per-step placeholder -> its index in the step-scalar tensor
+    fake_mode: object  # Dynamo's fake mode (new nodes get fake values)
+    shared: "SharedNodes"  # index tensors and lengths built once for every layer
+    masked: bool  # KV writes honour the enable flag and the caller's rows (not a fixed-size graph)
+
+
+@dataclasses.dataclass(frozen=True)
+class Idiom:
+    """One decode idiom the rewrite knows.
+
+    Attributes:
+        name: for people (the rewrite's log line).
+        wanted: ``(writes, attention) -> bool``: are its sites looked for under these options
+            (``capture_kv_writes``, ``graph_attention``)?
+        find: ``(graph, static_names, steps) -> [site]``.
+        bounds: ``(site, slots)``: what its step scalars must satisfy (``step_scalars.Slots.need``).
+        rewrite: ``(site, context) -> {node: ((buffer, dim), ...)}``: rewrite one site; the nodes
+            it built that read or write a buffer by batch row (they cap padding).
+    """
+
+    name: str
+    wanted: Callable[[bool, bool], bool]
+    find: Callable
+    bounds: Callable
+    rewrite: Callable
+
+
+def static_getitem(node, static_names) -> tuple[torch.fx.Node, tuple] | None:
+    """(buffer, index as a tuple) if ``node`` is ``buffer[index]`` of a parameter/buffer placeholder
+    (a name in ``static_names``); None otherwise. Every idiom's sites start from this match."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
+        return None
+    buffer, index = node.args
+    if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_names):
+        return None
+    return buffer, index if isinstance(index, tuple) else (index,)
+
+
+def step_dims_bounds(site: "Site", slots, what: str) -> None:
+    """A site's per-step dims stay inside its buffer (``pos + n <= size``); with ``prefix``,
+    a prefix that stops at a graph value too."""
+    shape = facts.example_value(site.buffer).shape
+    for d, dim in enumerate(site.dims):
+        if dim[0] == Dim.STEP:
+            slots.need(dim[1], 0, 0, int(shape[d]) - dim[2], f"{what} {site.buffer.name} at dim {d}")
+        elif dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node) and site.value is not None:
+            slots.need(dim[1], 0, 0, int(shape[d]), f"{what} {site.buffer.name} at dim {d}")
 
 
 class Dim(enum.Enum):

@@ -51,7 +51,7 @@ import torch.fx
 
 from .._torch_internals import sym_expr
 from ..fx import graph_facts as facts
-from .graph_edit import Builder, Dim, SharedNodes, Site, indices, slice_dim, slice_dims
+from .graph_edit import Builder, Dim, Idiom, SharedNodes, Site, indices, slice_dim, slice_dims, step_dims_bounds
 
 
 def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset,
@@ -165,3 +165,8 @@ def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mod
     if view is not site.buffer and not view.users:  # index_copy_'s view of the buffer, now unused
         graph.erase_node(view)
     return {**reads, put: rows}
+
+
+KV_WRITES = Idiom("KV writes", lambda writes, attention: writes, find_kv_writes,
+                  lambda site, slots: step_dims_bounds(site, slots, "the write into"),
+                  lambda site, c: rewrite_kv_write(site, c.scalars, c.slot_of, c.fake_mode, c.shared, c.masked))

@@ -19,15 +19,15 @@ left alone.
 
 from __future__ import annotations
 
-import operator
 
 import torch
 import torch.fx
 
 from ..fx import graph_facts as facts
-from ..op_names import canonical_op_name
+from ..op_names import SDPA, canonical_op_name
+from .graph_edit import static_getitem
 
-_READERS = frozenset({"aten::scaled_dot_product_attention"})
+_READERS = frozenset({SDPA})
 
 
 def _from_zero(s) -> bool:
@@ -47,13 +47,12 @@ def _stops_supported(index: tuple, steps: frozenset) -> bool:
 def find_prefix_views(graph: torch.fx.Graph, static_names: set[str], steps: frozenset) -> list[torch.fx.Node]:
     views = []
     for node in graph.nodes:
-        if not (node.op == "call_function" and node.target is operator.getitem and node.users):
+        sliced = static_getitem(node, static_names) if node.users else None
+        if sliced is None:
             continue
-        buffer, index = node.args
-        index = index if isinstance(index, tuple) else (index,)
-        value = facts.example_value(buffer) if isinstance(buffer, torch.fx.Node) else None
-        if not (isinstance(value, torch.Tensor) and buffer.op == "placeholder" and buffer.name in static_names
-                and value.is_contiguous() and 0 < len(index) <= value.dim() and all(map(_from_zero, index))
+        buffer, index = sliced
+        value = facts.example_value(buffer)
+        if not (isinstance(value, torch.Tensor) and value.is_contiguous() and 0 < len(index) <= value.dim() and all(map(_from_zero, index))
                 and _stops_supported(index, steps)):
             continue
         if all(u.op == "call_function" and canonical_op_name(u.target) in _READERS for u in node.users):

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from ..fx import graph_facts as facts
-from .graph_edit import Builder, SharedNodes, Site, indices, slice_dims
+from .graph_edit import Builder, Idiom, SharedNodes, Site, indices, slice_dims, static_getitem, step_dims_bounds
 
 
 def find_reads(graph: torch.fx.Graph, static_names: set[str], steps: frozenset) -> list[Site]:
@@ -27,11 +27,11 @@ def find_reads(graph: torch.fx.Graph, static_names: set[str], steps: frozenset) 
     written = {roots[m] for n in graph.nodes for m in facts.mutated_inputs(n)}
     sites = []
     for node in graph.nodes:
-        if not (node.op == "call_function" and node.target is operator.getitem and node.users):
+        sliced = static_getitem(node, static_names) if node.users else None
+        if sliced is None:
             continue
-        buffer, index = node.args
-        if not (isinstance(buffer, torch.fx.Node) and buffer.op == "placeholder" and buffer.name in static_names
-                and buffer not in written and not any(facts.mutated_inputs(u) for u in node.users)):
+        buffer, index = sliced
+        if buffer in written or any(facts.mutated_inputs(u) for u in node.users):
             continue
         dims = slice_dims(facts.example_value(buffer), facts.example_value(node), index, steps, placeholders)
         if dims is not None:
@@ -45,3 +45,12 @@ def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, s
     where, _ = indices(site, scalars, slot_of, add, masked=False)
     site.node.replace_all_uses_with(add("call_function", operator.getitem, site.buffer, where))
     site.node.graph.erase_node(site.node)
+
+
+def _rewrite(site: Site, context) -> dict:
+    rewrite_read(site, context.scalars, context.slot_of, context.fake_mode, context.shared)
+    return {}
+
+
+ROPE_READS = Idiom("RoPE reads", lambda writes, attention: writes or attention, find_reads,
+                   lambda site, slots: step_dims_bounds(site, slots, "the read of"), _rewrite)

@@ -17,7 +17,7 @@ import torch
 import torch.fx
 
 from ..fx import graph_facts as facts
-from .graph_edit import Builder
+from .graph_edit import Builder, Idiom
 
 UNBOUNDED = (-(2**62), 2**62)  # a range indexes nothing by itself: any position is valid for it
 
@@ -63,3 +63,14 @@ def rewrite_step_range(site: RangeSite, scalars: torch.fx.Node, slot_of: dict, f
     start = add("call_function", operator.getitem, scalars, slot_of[site.start])
     site.node.replace_all_uses_with(add("call_function", operator.add, offsets, start))
     site.node.graph.erase_node(site.node)
+
+
+def _rewrite(site: RangeSite, context) -> dict:
+    rewrite_step_range(site, context.scalars, context.slot_of, context.fake_mode)
+    return {}
+
+
+STEP_RANGES = Idiom("step ranges", lambda writes, attention: writes or attention,
+                    lambda graph, static_names, steps: find_step_ranges(graph, steps),
+                    lambda site, slots: slots.need(site.start, 0, *UNBOUNDED, f"the range from {site.start.name}"),
+                    _rewrite)

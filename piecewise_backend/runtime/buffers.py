@@ -9,6 +9,8 @@ that memory.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .. import _torch_internals
@@ -89,3 +91,18 @@ def narrowed(outputs, dims: tuple, size: int):
     flat = outputs if isinstance(outputs, tuple) else (outputs,)
     cut = tuple(o.narrow(dims[j], 0, size) if dims[j] is not None else o for j, o in enumerate(flat))
     return cut if isinstance(outputs, tuple) else cut[0]
+
+
+def written_snapshot(args, indices) -> Callable[[], None] | None:
+    """What puts the args at ``indices`` back as they are now (None: no index). For written args
+    whose writes are not idempotent (full mode's ``buf.mul_(...)``, an accumulator): a run that
+    must not count (a warm-up; compiled code that raised halfway, before the traced code runs
+    instead) is undone, so the call changes them once."""
+    if not indices:
+        return None
+    saved = [(args[i], args[i].clone()) for i in sorted(indices)]
+
+    def restore() -> None:
+        for tensor, copy in saved:
+            tensor.copy_(copy)
+    return restore

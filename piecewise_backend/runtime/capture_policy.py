@@ -19,8 +19,8 @@ import bisect
 import dataclasses
 from typing import Callable
 
-from ..config import PiecewiseConfig
 from ..kinds import Miss
+from ..plan.types import RuntimeSettings
 from .capture_deferral import CaptureDeferral
 from .distributed import RankAgreement, agreed_refusal
 
@@ -73,7 +73,7 @@ class SizeRule:
     deferral: CaptureDeferral | None
 
     @classmethod
-    def of(cls, config: PiecewiseConfig, no_padding_reason: str | None, row_limit) -> "SizeRule":
+    def of(cls, config: RuntimeSettings, no_padding_reason: str | None, row_limit) -> "SizeRule":
         return cls(config.padding and no_padding_reason is None, config.padding and no_padding_reason is not None,
                    row_limit, CaptureDeferral() if config.defer_captures else None)
 
@@ -124,7 +124,7 @@ class CapturePolicy:
     """Turns a call's shape key into a :class:`Route`.
 
     Args:
-        config: the validated options.
+        config: the options run time reads (``plan.types.RuntimeSettings``).
         pad_position: index in the shape key of the padded (leading dynamic) size, or None when the
             graph has none (a graph Dynamo specialised to one batch size: its one key is captured
             as is).
@@ -140,7 +140,7 @@ class CapturePolicy:
         full_padding: (why full graphs cannot be padded or None, their ``row_limit``).
     """
 
-    def __init__(self, config: PiecewiseConfig, pad_position: int | None, no_padding_reason: str | None,
+    def __init__(self, config: RuntimeSettings, pad_position: int | None, no_padding_reason: str | None,
                  agreement: RankAgreement | None = None, row_limit=None, symbols: tuple = (),
                  full_padding: tuple = (None, None)):
         self.sizes = config.sizes

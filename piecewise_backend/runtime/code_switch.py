@@ -60,7 +60,7 @@ class CodeSwitch:
             code = delivery["code"]
             for name, fn in code.items():
                 runner = graph.runners[name]
-                runner.fn = _checked(fn, runner.eager_fn, runner.arg_specs, delivery["guards"])
+                runner.fn = _checked(fn, runner.eager_fn, runner.piece.arg_specs, delivery["guards"])
             graph.compiled_code.update(code)
             released = graph.forget_graphs()
             stats = graph.stats

@@ -5,7 +5,7 @@ Lifecycle of a :class:`DeviceGraphs` (modelled on cudagraph_trees' per-device ma
 1. created on the first capture on its device (:func:`device_graphs`), and kept for the process;
 2. its pool is opened on first use, with a one-kernel *keeper* graph that keeps it alive;
 3. every capture of every piece, size and compiled graph on the device runs on its one capture
-   stream, into that pool (:meth:`DeviceGraphs.capture`);
+   stream, into that pool (:meth:`DeviceGraphs.record`);
 4. a capture that raised retires the pool (graphs already captured in it keep working) and opens a
    fresh one (:meth:`DeviceGraphs.recover`);
 5. :meth:`DeviceGraphs.pool_bytes` measures what the live and retired pools hold.
@@ -81,14 +81,14 @@ class DeviceGraphs:
                 handle = torch.cuda.graph_pool_handle()
                 keeper = torch.cuda.CUDAGraph()
                 try:
-                    self._capture(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{self.index}").add_(1))
+                    self._record(keeper, handle, lambda: torch.zeros(1, device=f"cuda:{self.index}").add_(1))
                 except Exception:
                     _torch_internals.stop_pool_recording(self.index, handle)  # the next capture opens another
                     raise
                 self._pool = (handle, keeper)
         return self._pool[0]
 
-    def capture(self, fn: Callable[[], Any], warmup_runs: int = 0, after_warmup: Callable[[], None] | None = None,
+    def record(self, fn: Callable[[], Any], warmup_runs: int = 0, after_warmup: Callable[[], None] | None = None,
                 draws_random: bool = False, args: tuple = ()) -> tuple[Any, Any]:
         """Run ``fn()`` ``warmup_runs`` times, then capture it in this device's pool; return (the graph,
         the captured call's result). The graph has ``replay()``.
@@ -103,11 +103,11 @@ class DeviceGraphs:
         on_host = any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args)
         route = "torch" if draws_random else "aside" if on_host else _begin_route()
         graph = RawGraph(self.index, pool) if route == "raw" else torch.cuda.CUDAGraph()
-        result = self._capture(graph, pool, fn, warmup_runs, after_warmup, route)
+        result = self._record(graph, pool, fn, warmup_runs, after_warmup, route)
         self._graphs_in_pool += 1
         return graph, result
 
-    def _capture(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, route: str = "aside"):
+    def _record(self, graph, pool, fn, warmup_runs: int = 0, after_warmup=None, route: str = "aside"):
         """What ``torch.cuda.graph`` does minus its ``gc.collect()`` and ``empty_cache()`` per capture
         (seconds per size in vLLM's measurements) and its new stream per capture.
 

@@ -42,7 +42,6 @@ from .devices import device_graphs
 from .distributed import agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
 from .symbolic import evaluate, symbol_values
-from .weight_sets import FullGraphState
 
 FALLBACK = object()  # what :meth:`FullGraphs.call` returns when the call must run piecewise
 
@@ -58,7 +57,8 @@ class _FullCapture:
 
 class FullGraphs:
     """The full graphs of one :class:`~.compiled_graph.CompiledGraph` (held weakly, as ``up_front.py``
-    does), for its active weight set (``state``, re-pointed when the weights move)."""
+    does): capture and replay; which calls they serve, and the graphs of each weight set, are
+    ``capture_decisions.py``'s (``decisions.active.full``)."""
 
     def __init__(self, graph):
         self.graph = weakref.proxy(graph)
@@ -68,31 +68,15 @@ class FullGraphs:
         self.symbols, self.pad_position = plan.key.symbols, plan.key.pad_position
         weights = set(plan.inputs.weight_indices) | plan.inputs.python_scalars | plan.inputs.static_inputs
         self.written = frozenset(i for i in self.plan.in_place if i not in weights)
-        self.clone = graph.config.clone_outputs
-        self.state = FullGraphState()
+        self.clone = plan.settings.clone_outputs
         self.arenas = InputArenas()  # the copied inputs' buffers, shared by every key (buffers.py)
 
-    def call(self, key: tuple, args: tuple):
-        """Serve the call from a full graph (capturing it if it is the first at its key), or return
-        :data:`FALLBACK`: then the caller runs it piecewise."""
-        route = self.state.routes.get(key) or self._new_route(key)
-        reason = route.detail if route.key is None else None
-        reason = agreed_refusal(self.graph.agreement, reason, "another rank runs this call piecewise")
-        if reason is not None:
-            return self._fall_back(reason)
+    def call(self, route: Route, args: tuple):
+        """Serve the call from the full graph ``route`` names (``capture_decisions.py`` chose it),
+        capturing it if the route says so, or return :data:`FALLBACK`: then the call runs piecewise."""
         if route.capture:
-            return self._capture(route, args)
+            return self._capture_whole(route, args)
         return self._replay(route, args)
-
-    def _new_route(self, key: tuple) -> Route:
-        graph, state = self.graph, self.state
-        route = graph.policy.full_route(key, state.graphs, state.failed, graph.memory_bytes, state.unreplayed,
-                                        self.plan.refusal)
-        if route.key is not None and not route.capture:
-            state.unreplayed.discard(route.key)  # a captured key's first replay is routed here
-        if not route.capture and route.waiting is None:
-            state.routes[key] = route
-        return route
 
     def _fall_back(self, reason: str):
         self.graph.stats.full_fallbacks[reason] += 1
@@ -101,7 +85,7 @@ class FullGraphs:
     # -- replay ------------------------------------------------------------------------------------
 
     def _replay(self, route: Route, args: tuple):
-        captured = self.state.graphs[route.key]
+        captured = self.graph.decisions.active.full.graphs[route.key]
         for i, address in captured.written:
             if args[i].data_ptr() != address:
                 return self._fall_back(f"an input it writes ({self.graph.plan.inputs.names[i]}) is at a new address")
@@ -134,7 +118,7 @@ class FullGraphs:
 
     # -- capture -----------------------------------------------------------------------------------
 
-    def _capture(self, route: Route, args: tuple):
+    def _capture_whole(self, route: Route, args: tuple):
         graph, key = self.graph, route.key
         values = {**symbol_values(self.input_specs, args), **dict(zip(self.symbols, key))}
         before, start = graph.memory_bytes(), time.perf_counter()
@@ -157,10 +141,8 @@ class FullGraphs:
         if failure is not None:
             self._failed(key, failure)
         else:
-            self.state.graphs[key] = _FullCapture(recorded, copies, written, captured_outputs)
-            self.state.unreplayed.add(key)
-            self.state.routes.clear()  # misses may now be served (a larger graph to ride)
-            graph.log_capture(key, CaptureHow.LAZY, time.perf_counter() - start, before, GraphMode.FULL)
+            graph.decisions.active.full.graphs[key] = _FullCapture(recorded, copies, written, captured_outputs)
+            graph.decisions.recorded(key, CaptureHow.LAZY, time.perf_counter() - start, before, GraphMode.FULL)
             graph.stats.graph_calls[(GraphMode.FULL, self._size_of(key))] += 1
         return narrowed(outputs, self.plan.padding.out_dims, route.size) if route.padded else outputs
 
@@ -197,7 +179,7 @@ class FullGraphs:
                 return graph.forward_split(*capture_args)
 
         if graph.device.type == "cuda":
-            recorded, outputs = device_graphs(graph.device).capture(watched, 0, None, self.plan.draws_random,
+            recorded, outputs = device_graphs(graph.device).record(watched, 0, None, self.plan.draws_random,
                                                                     capture_args)
             outputs = as_tuple(outputs)
         else:
@@ -208,9 +190,5 @@ class FullGraphs:
                                for j, o in enumerate(outputs))
 
     def _failed(self, key: tuple, reason: str) -> None:
-        graph = self.graph
         message = f"full capture at shape key {key} failed ({reason}); that size runs piecewise"
-        self.state.failed[key] = message
-        self.state.routes.clear()
-        graph.stats.full_failures.append(message)
-        graph.warn_once("full capture", f"piecewise: graph {graph.serial}: {message}")
+        self.graph.decisions.full_failed(key, message)

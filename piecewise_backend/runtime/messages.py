@@ -5,6 +5,36 @@ Each takes the facts of the case and returns the whole message (``piecewise: gra
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
+import sys
+import warnings
+
+_OURS = (str(pathlib.Path(__file__).resolve().parents[1]),
+         *importlib.util.find_spec("torch").submodule_search_locations)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the first frame outside this package and
+    torch (the user's call of the compiled model, or the model's own line Dynamo runs), counted from
+    the function that calls ``warnings.warn``."""
+    frame, level = sys._getframe(2), 2
+    while frame is not None and (frame.f_code.co_filename.startswith(_OURS) or "importlib" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
+
+
+class GraphWarnings:
+    """One compiled graph's warnings: each topic once, at the user's line (:func:`user_stacklevel`)."""
+
+    def __init__(self):
+        self._topics: set = set()
+
+    def once(self, topic, message: str) -> None:
+        if topic not in self._topics:
+            self._topics.add(topic)
+            warnings.warn(message, stacklevel=user_stacklevel())
+
 
 WEIGHTS_BOUND_ELSEWHERE = ("another rank of this graph's process groups met parameters/buffers at a new set of "
                            "addresses past its max_weight_sets")

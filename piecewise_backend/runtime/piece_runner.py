@@ -27,10 +27,13 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   of 8): inputs are copied into the first rows of the captured buffers, outputs are handed back as
   their first rows. Outputs of one captured piece feed the next at full size, so a step pads once
   (user inputs and eager outputs are copied in anyway), not once per piece. See ``padding.py``.
+* **Hot and cold paths apart.** This module replays (a few dict lookups and compares per piece per
+  step); ``piece_capture.py`` captures a new key.
 * **Loud fallback.** A capture that fails warns with the reason and the piece runs compiled but
   un-graphed for that key; the compiled graph tries the whole key again later
   (``capture_retries.py``). A compiled piece that raises where its traced FX code does not runs
-  that code from then on: the fallback never raises where eager would not.
+  that code from then on, after putting back what the failed run wrote to args it writes
+  non-idempotently: the fallback never raises where eager would not, and never writes twice.
 * **One caller at a time.** The step protocol's state and the runners' buffers are shared by every
   call of the graph: the compiled graph holds its device's call guard for the whole call
   (``call_guard.py``), so a second thread waits rather than reading half-written buffers.
@@ -39,26 +42,27 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
 from __future__ import annotations
 
 import dataclasses
-import logging
-import time
 import warnings
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _torch_internals, op_names
-from .buffers import InputArenas, fits_in_storage, narrowed, owned_copy, weak_alias
-from .devices import device_graphs
-from .distributed import RankAgreement, agreed_refusal
-from .emulation import EmulatedGraph, as_tuple
-from .stats import PieceStats
+from .. import _torch_internals
 from ..plan.types import TensorSpec
-from .symbolic import evaluate, strides_at, symbol_values
+from .buffers import InputArenas, narrowed, written_snapshot
+from .distributed import RankAgreement
+from .messages import user_stacklevel
+from .piece_capture import Captured, capture_piece
+from .stats import PieceStats
+from .symbolic import strides_at, symbol_values
 
 if TYPE_CHECKING:
     from ..plan.types import PieceCode, PiecePlan
 
-log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
+# What Inductor's input check raises when an input's strides are not those it compiled for:
+# ``assert_size_stride`` (torch._C._dynamo.guards), an AssertionError whose message starts so
+# (checked on torch 2.11 and 2.13). Any other AssertionError is the code's own: it propagates.
+STRIDE_CHECK = "expected size "
 
 
 @dataclasses.dataclass
@@ -97,15 +101,6 @@ class StepState:
         self.key_size, self.sym_values = key_size, sym_values
 
 
-@dataclasses.dataclass
-class _Captured:
-    graph: Any  # a torch.cuda.CUDAGraph, a RawGraph (devices.py), or an EmulatedGraph on CPU: replay()
-    checks: list  # (arg index, captured buffer, captured data_ptr, stage key or None) per tensor input
-    #               that is not a parameter/buffer
-    outputs: Any  # the piece's output structure, tensors as non-owning aliases
-    views: dict = dataclasses.field(default_factory=dict)  # caller size -> (checks, outputs) sliced to it
-
-
 class PieceRunner:
     """Runs one compiled compute piece: replayed from a CUDA graph per shape key when it can be.
 
@@ -127,15 +122,9 @@ class PieceRunner:
 
     def __init__(self, piece: PiecePlan, code: PieceCode, step: StepState, stats: PieceStats, warmup_runs: int,
                  clone_outputs: bool, agreement: RankAgreement | None = None, device: torch.device | None = None):
+        self.piece = piece  # read as it is: its args' specs, padding, staging, what it writes
         self.name = piece.name
         self.fn = code.runs
-        self.arg_specs = piece.arg_specs
-        self.static_args = piece.static_args
-        self.escaping_outputs = piece.escaping_outputs
-        self.padding = piece.padding
-        self.stage_keys = piece.stage_keys  # arg index -> stage key
-        self.restore_after_warmup = piece.restore_after_warmup
-        self.draws_random = piece.draws_random
         self.eager_fn = code.traced  # the piece's FX code: the fallback when the compiled code raises
         self.step = step
         self.stats = stats
@@ -143,21 +132,25 @@ class PieceRunner:
         self.clone_outputs = clone_outputs
         self.agreement = agreement
         self.device = device  # the graph's: where a piece without tensor inputs captures
-        self.captures: dict[tuple, _Captured] = {}
+        self.captures: dict[tuple, Captured] = {}
         self.arenas = InputArenas()  # the copied inputs' buffers, shared by every key (buffers.py)
         self.failed_keys: set = set()
         self._clones = clone_outputs and bool(piece.escaping_outputs)  # any output to copy out of the pool
+
+    def use_graphs(self, captures: dict, failed_keys: set) -> None:
+        """Replay from (and capture into) these graphs: the active weight set's (``weight_sets.py``)."""
+        self.captures, self.failed_keys = captures, failed_keys
 
     def __call__(self, *args):
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
         step = self.step
         if not step.graphing:
-            return self._run_compiled(args) if step.whole else self._ungraphed(args)
+            return self._run_compiled(args) if step.whole else self.run_ungraphed(args)
         captured = self.captures.get(step.key)
         if captured is None:
             if step.key in self.failed_keys:
-                return self._ungraphed(args)
-            return self._capture(step.key, args)
+                return self.run_ungraphed(args)
+            return capture_piece(self, step.key, args)  # the cold path (piece_capture.py)
         checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
             else (captured.checks, captured.outputs)
         for i, buf, ptr, stage in checks:
@@ -172,17 +165,23 @@ class PieceRunner:
                 self.stats.input_copies += 1
         captured.graph.replay()
         self.stats.replays += 1
-        return self._user_outputs(outputs) if self._clones else outputs
+        return self.user_outputs(outputs) if self._clones else outputs
 
-    def _ungraphed(self, args: tuple):
+    def run_ungraphed(self, args: tuple):
+        """Run the compiled code as it is; if it raises where the traced code does not, that (see
+        :meth:`_run_eagerly_from_now_on`), after undoing the failed run's non-idempotent writes."""
         self.stats.ungraphed_runs += 1
+        fallback = self.eager_fn is not None and self.fn is not self.eager_fn
+        undo = written_snapshot(args, self.piece.restore_after_warmup) if fallback else None
         try:
             return self._run_compiled(args)
         except torch.OutOfMemoryError:
             raise  # not the code's fault: eager would need the memory too
         except Exception as exc:  # the compiled code is broken where the traced code is not
-            if self.eager_fn is None or self.fn is self.eager_fn:
+            if not fallback:
                 raise
+            if undo is not None:
+                undo()  # what the failed run wrote before it raised: written once, by the traced code
             out = self.eager_fn(*args)  # raises what eager raises, if the inputs are at fault
             self._run_eagerly_from_now_on(exc)
             return out
@@ -190,7 +189,9 @@ class PieceRunner:
     def _run_compiled(self, args: tuple):
         try:
             return self.fn(*args)
-        except AssertionError:  # Inductor's input stride check (see _expected_layout)
+        except AssertionError as exc:  # Inductor's input stride check (see _expected_layout), nothing else
+            if not str(exc).startswith(STRIDE_CHECK):
+                raise
             relaid = self._expected_layout(args)
             if relaid is None:
                 raise
@@ -204,7 +205,7 @@ class PieceRunner:
                   f"(piecewise_backend.inspect_split)")
         self.fn = self.eager_fn = _torch_internals.generated_forward(self.eager_fn)  # a lazy graph module's
         self.stats.failures.append(reason)
-        warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=4)
+        warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=user_stacklevel())
 
     def _expected_layout(self, args: tuple) -> list | None:
         """``args`` with every tensor copied to the strides the compiled piece was compiled for, or
@@ -216,9 +217,10 @@ class PieceRunner:
         the input's strides. Captured graphs never see this (their input buffers have the expected
         strides and ``copy_`` converts), un-graphed calls retry through this.
         """
-        values = symbol_values(self.arg_specs, args)
+        specs = self.piece.arg_specs
+        values = symbol_values(specs, args)
         out, changed = list(args), False
-        for i, (spec, arg) in enumerate(zip(self.arg_specs, args)):
+        for i, (spec, arg) in enumerate(zip(specs, args)):
             if isinstance(spec, TensorSpec) and isinstance(arg, torch.Tensor):
                 strides = strides_at(spec, values)
                 if strides is not None and tuple(arg.stride()) != strides and arg.numel() > 1:
@@ -228,138 +230,22 @@ class PieceRunner:
 
     # -- replay helpers ---------------------------------------------------------------------------
 
-    def _slice(self, captured: _Captured, size: int):
+    def _slice(self, captured: Captured, size: int):
         """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
-        pad = self.padding
+        pad = self.piece.padding
         checks = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr, stage)
                   for i, buf, ptr, stage in captured.checks]
-        outputs = self._narrow_outputs(captured.outputs, size)
+        outputs = self.narrow_outputs(captured.outputs, size)
         captured.views[size] = (checks, outputs)
         return checks, outputs
 
-    def _narrow_outputs(self, outputs, size: int):
-        return narrowed(outputs, self.padding.out_dims, size)
+    def narrow_outputs(self, outputs, size: int):
+        return narrowed(outputs, self.piece.padding.out_dims, size)
 
-    def _user_outputs(self, outputs):
+    def user_outputs(self, outputs):
         if not self._clones:
             return outputs
         if not isinstance(outputs, tuple):
             return outputs.clone() if isinstance(outputs, torch.Tensor) else outputs  # a bool, an int: as is
-        return tuple(o.clone() if i in self.escaping_outputs and isinstance(o, torch.Tensor) else o
+        return tuple(o.clone() if i in self.piece.escaping_outputs and isinstance(o, torch.Tensor) else o
                      for i, o in enumerate(outputs))
-
-    # -- capture ----------------------------------------------------------------------------------
-
-    def _capture(self, key: tuple, args: tuple):
-        start = time.perf_counter()
-        failure = None
-        watch = _torch_internals.OpsInFlight()  # which op a failing capture was running
-        try:
-            capture_args, checks = self._capture_inputs(args)
-            captured, outputs = self._record(capture_args, checks, watch)
-        except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
-            failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc})" \
-                      f"{op_names.while_running(watch.raised)}"
-        if failure is not None and self._device(args).type == "cuda":
-            device_graphs(self._device(args)).recover()  # after the except: the failed graph is freed by now
-        failure = agreed_refusal(self.agreement, failure,
-                                 f"capture at shape key {key} failed on another rank of this graph's process "
-                                 f"groups (all give it up, so their collectives keep pairing up)")
-        if failure is not None:
-            reason = f"{failure}; running un-graphed"
-            self.failed_keys.add(key)
-            self.stats.failures.append(reason)
-            warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=3)
-            return self._ungraphed(args)
-        if self._device(args).type == "cuda":
-            captured.graph.replay()  # capture does not run kernels; this call's outputs come from a replay
-        self.captures[key] = captured
-        elapsed = time.perf_counter() - start
-        self.stats.captures += 1
-        self.stats.capture_seconds += elapsed
-        self.stats.keys.append(key)
-        log.debug("piecewise: captured %s at shape key %s in %.1f ms", self.name, key, elapsed * 1e3)
-        if self.step.padded:
-            outputs = self._narrow_outputs(outputs, self.step.size)
-        return self._user_outputs(outputs)
-
-    def _capture_inputs(self, args: tuple) -> tuple[list, list]:
-        """The args to capture with, and (index, buffer, address, stage) of every tensor input to
-        check one by one (all but the parameters/buffers, see ``_index_statics``)."""
-        step = self.step
-        pad = self.padding if step.padded else None
-        capture_args, checks = list(args), []
-        for i, arg in enumerate(args):
-            if pad is not None and i in pad.scalar_exprs:
-                capture_args[i] = evaluate(pad.scalar_exprs[i], step.sym_values)
-            if not isinstance(arg, torch.Tensor):
-                continue
-            dim = pad.arg_dims.get(i) if pad is not None else None
-            size = list(arg.shape)
-            if dim is not None:
-                size[dim] = step.key_size
-            stage = self.stage_keys.get(i)
-            staged = step.staged.get(stage)
-            if i in self.static_args:
-                continue  # parameters keep their address: captured in place (weight_sets.py)
-            if arg.data_ptr() in step.pool_ptrs and fits_in_storage(arg, size):
-                # an earlier piece's captured output (the first rows of it, when padded)
-                buf = weak_alias(arg, size)
-                capture_args[i] = buf if dim is not None else arg
-            elif staged is not None and list(staged.shape) == size and staged.stride() == arg.stride():
-                buf = staged  # an earlier piece of this call copied the same source into it
-                capture_args[i] = buf
-            else:
-                buf = owned_copy(arg, self.arg_specs[i], step.sym_values, size, dim, self.arenas, i)
-                capture_args[i] = buf
-                if stage is not None:
-                    step.staged[stage] = buf
-            checks.append((i, buf, buf.data_ptr(), stage if stage in step.staged else None))
-        return capture_args, checks
-
-    def _warmup_undo(self, capture_args: list) -> Callable[[], None] | None:
-        """What puts the non-idempotent written args back as they were before the warm-up runs."""
-        if not (self.warmup_runs and self.restore_after_warmup):
-            return None
-        saved = [(capture_args[i], capture_args[i].clone()) for i in sorted(self.restore_after_warmup)]
-
-        def restore() -> None:
-            for tensor, copy in saved:
-                tensor.copy_(copy)
-        return restore
-
-    def _device(self, args) -> torch.device:
-        """The graph's device (a Python float passed as a CPU scalar may come first among the args)."""
-        return self.device or next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cuda"))
-
-    def _record(self, capture_args: list, checks: list, watch):
-        step = self.step
-        device = self._device(capture_args)
-        restore = self._warmup_undo(capture_args)
-
-        def watched(*call_args):
-            with watch:
-                return self.fn(*call_args)
-
-        if device.type == "cuda":
-            graph, outputs = device_graphs(device).capture(lambda: watched(*capture_args), self.warmup_runs, restore,
-                                                           self.draws_random, capture_args)
-            outputs = as_tuple(outputs)
-        else:
-            for _ in range(self.warmup_runs):
-                self.fn(*capture_args)
-            if restore is not None:
-                restore()
-            graph = EmulatedGraph(self.fn, capture_args, watched)
-            outputs = graph.outputs
-
-        flat = outputs if isinstance(outputs, tuple) else (outputs,)
-        aliases = []
-        for o in flat:
-            if isinstance(o, torch.Tensor):
-                step.pool_ptrs.add(o.data_ptr())
-                aliases.append(weak_alias(o))
-            else:
-                aliases.append(o)
-        stored = tuple(aliases) if isinstance(outputs, tuple) else aliases[0]
-        return _Captured(graph, checks, stored), outputs

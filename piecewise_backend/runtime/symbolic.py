@@ -4,12 +4,12 @@ Compute pieces are compiled once for symbolic shapes (``s0`` for the batch); the
 their tensors with sizes that are ints or sympy expressions in those symbols (``plan.types.TensorSpec``).
 Capture, padding and up-front capture need concrete sizes at some batch: the values of the symbols
 in a real call (:func:`symbol_values`), an expression evaluated at chosen values (:func:`evaluate`,
-:func:`strides_at`), or a zero tensor shaped like a described one (:func:`materialize`).
+:func:`strides_at`, :func:`rows_at`), or a zero tensor shaped like a described one (:func:`materialize`).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -22,6 +22,24 @@ def evaluate(expr, values: dict) -> int:
     if getattr(result, "free_symbols", None):
         raise ValueError(f"cannot evaluate {expr}: no value for {sorted(map(str, result.free_symbols))}")
     return int(result)
+
+
+def rows_at(capacities, values: dict) -> int | None:
+    """The fewest rows any of the plan's ``Capacity`` values allows at these symbol values (None: no
+    limit; 0 when one cannot be evaluated, which allows no padding)."""
+    limit = None
+    for capacity in capacities:
+        rows = capacity.rows
+        if not isinstance(rows, int):
+            rows = rows.xreplace(values)
+            rows = int(rows) if not getattr(rows, "free_symbols", None) else 0
+        limit = rows if limit is None else min(limit, rows)
+    return limit
+
+
+def row_limit(capacities: tuple, symbols: tuple) -> Callable[[tuple], int | None] | None:
+    """``key -> rows``: the most rows a padded batch may have at a shape key (None: no cap)."""
+    return (lambda key: rows_at(capacities, dict(zip(symbols, key)))) if capacities else None
 
 
 def spec_symbols(specs) -> set:

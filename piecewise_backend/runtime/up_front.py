@@ -18,17 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
 
 import torch
 import torch.fx
 
-from ..kinds import CaptureHow, Miss
 from ..plan.types import SymSpec, TensorSpec
 from .symbolic import materialize, symbol_values
 
 if TYPE_CHECKING:
     from ..plan.types import GraphPlan
+    from .capture_decisions import CaptureDecisions
 
 
 def _progress(items: list, desc: str):
@@ -40,16 +40,30 @@ def _progress(items: list, desc: str):
     return tqdm(items, desc=desc, delay=1.0, unit="size", leave=False)
 
 
+class CaptureHost(Protocol):
+    """All up-front capture reads of the compiled graph it captures for (the narrow interface)."""
+
+    plan: GraphPlan
+    decisions: CaptureDecisions  # the budget's say (``up_front_route``), the captured keys, the serial
+    runners: dict  # piece name -> PieceRunner: what runs at the made-up inputs
+    step_scalars: Any  # the positions tensor, whose writes are turned off for the run (or None)
+
+    def capture_up_front(self, key: tuple, sym_values: dict, run: Callable[[], Any]) -> Any:
+        """Run ``run()`` as the step that captures ``key`` (timed and recorded as up-front)."""
+
+
 class UpFrontCapture:
     """What capturing without a real call needs from the graph's first call, and the capture itself.
 
-    ``graph`` is the :class:`~.compiled_graph.CompiledGraph` this belongs to (its policy, runners,
-    step and capture bookkeeping), held weakly: a cycle would keep a graph Dynamo dropped, and its
-    CUDA graphs' memory, alive until the next garbage collection.
+    ``host`` is the :class:`~.compiled_graph.CompiledGraph` this belongs to, read through
+    :class:`CaptureHost` only, and held weakly: a cycle would keep a graph Dynamo dropped, and its
+    CUDA graphs' memory, alive until the next garbage collection. Which sizes are captured and
+    when (``eager_capture_sizes`` on the first call, the budget) is ``capture_decisions.py``'s.
     """
 
-    def __init__(self, graph):
-        self.graph = weakref.proxy(graph)
+    def __init__(self, host: CaptureHost):
+        self.host = weakref.proxy(host)
+        self.plan = host.plan
         self._template: list | None = None  # first call's weights and scalars
         self._key: tuple = ()
         self._values: dict = {}
@@ -58,80 +72,68 @@ class UpFrontCapture:
     def remembered(self) -> bool:
         return self._template is not None
 
+    @property
+    def serial(self) -> int:
+        return self.host.decisions.stats.serial
+
+    @property
+    def writes_unmasked(self) -> bool:
+        return bool(self.plan.unmasked_writes)
+
     def remember(self, key: tuple, args: tuple) -> None:
         """Keep what capture() needs from a real call: weights (by reference) and symbol values."""
-        kept = self.graph.plan.inputs.static_inputs | self.graph.plan.inputs.python_scalars
+        kept = self.plan.inputs.static_inputs | self.plan.inputs.python_scalars
         self._template = [a if i in kept or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
         self._key = key
-        self._values = symbol_values(self.graph.plan.inputs.specs, args)
+        self._values = symbol_values(self.plan.inputs.specs, args)
 
     def use_weights(self, args: tuple) -> None:
         """capture() uses these weights from now on (and not the old ones)."""
         if self._template is not None:
-            static = self.graph.plan.inputs.static_inputs
+            static = self.plan.inputs.static_inputs
             self._template = [args[i] if i in static else t for i, t in enumerate(self._template)]
 
     def refusal(self) -> str | None:
         """Why this graph cannot capture up front now (None: it can)."""
-        graph = self.graph
-        if graph.graphs_disabled_reason is not None:
-            return f"graph {graph.serial} cannot capture: {graph.graphs_disabled_reason}."
-        if graph.pad_position is None:
-            return (f"graph {graph.serial} has no dynamic batch size (Dynamo specialised it); it captures its "
+        plan, serial = self.plan, self.serial
+        if plan.graphs_disabled_reason is not None:
+            return f"graph {serial} cannot capture: {plan.graphs_disabled_reason}."
+        if plan.key.pad_position is None:
+            return (f"graph {serial} has no dynamic batch size (Dynamo specialised it); it captures its "
                     f"one shape on its first call. Compile with dynamic=True or "
                     f"torch._dynamo.mark_dynamic(input, 0) to capture sizes up front.")
         if self._template is None:
-            return (f"graph {graph.serial} has not been called yet; call the compiled model once (capture() "
+            return (f"graph {serial} has not been called yet; call the compiled model once (capture() "
                     f"takes the weights and other sizes from that call).")
-        if graph.unmasked_writes:
-            return f"graph {graph.serial} cannot capture up front: {self.no_up_front_capture()}"
+        if self.writes_unmasked:
+            return f"graph {serial} cannot capture up front: {self.no_up_front_capture()}"
         return None
 
     def no_up_front_capture(self) -> str:
-        return (f"its compute pieces write {', '.join(self.graph.unmasked_writes)} (full mode) at positions the "
+        return (f"its compute pieces write {', '.join(self.plan.unmasked_writes)} (full mode) at positions the "
                 f"inputs give, and capturing on made-up inputs would write garbage there. Its sizes are captured "
                 f"lazily, on the first real call at each size.")
 
     def row_limit(self) -> int | None:
         """The most rows a padded or up-front batch may have (a KV cache's batch dim), None: no limit."""
-        policy = self.graph.policy
+        policy = self.host.decisions.policy
         return policy.row_limit(self._key) if policy.row_limit is not None else None
 
-    def capture_eager_sizes(self) -> None:
-        """``eager_capture_sizes``, on the first call, before its output."""
-        graph = self.graph
-        if not graph.config.eager_sizes or graph.pad_position is None:
-            return
-        if graph.unmasked_writes:
-            graph.warn_once("eager sizes", f"piecewise: graph {graph.serial}: eager_capture_sizes ignored: "
-                                           f"{self.no_up_front_capture()}")
-            return
-        rows, sizes = self.row_limit(), graph.config.eager_sizes
-        if rows is not None and any(s > rows for s in sizes):
-            graph.warn_once("eager rows", f"piecewise: graph {graph.serial}: eager_capture_sizes above {rows} are "
-                                          f"not captured: the graph reads or writes tensors of {rows} rows by "
-                                          f"batch row (a KV cache's batch dim).")
-            sizes = tuple(s for s in sizes if s <= rows)
-        self.capture(sizes)
-
-    def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
+    def capture_sizes(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
         """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured.
 
         ``sizes``: capture sizes, or ``"all"``. Needs one earlier call (for the weights and the
         sizes of other dynamic dims). Stops, with a warning, at the first size the budget refuses.
         Shows a progress bar (tqdm) when it takes more than a moment.
         """
-        graph = self.graph
         refusal = self.refusal()
         if refusal is not None:
             raise RuntimeError(f"piecewise: {refusal}")
-        todo = [k for k in self.keys_of(sizes) if k not in graph.captured]
+        decisions = self.host.decisions
+        todo = [k for k in self.keys_of(sizes) if k not in decisions.captured]
         done = []
         for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
-            route = graph.policy.admit(key, graph.captured, graph.memory_bytes)
-            if not route.capture:
-                graph.warn_once(Miss.OVER_BUDGET, f"piecewise: graph {graph.serial}: stopped capturing at shape "
-                                                  f"key {key}: {route.detail}.")
+            if not decisions.up_front_route(key).capture:
                 break
             self._capture_key(key)
             done.append(key)
@@ -139,29 +141,28 @@ class UpFrontCapture:
 
     def keys_of(self, sizes) -> list[tuple]:
         """The shape keys of ``sizes`` (checked), largest first."""
-        graph, policy = self.graph, self.graph.policy
+        policy = self.host.decisions.policy
         every = isinstance(sizes, str) and sizes == "all"
         sizes = policy.sizes if every else tuple(sizes)
         unknown = [s for s in sizes if s not in policy.sizes]
         if unknown:
-            raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {graph.serial}; "
+            raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {self.serial}; "
                              f"its capture sizes are {list(policy.sizes)}.")
         rows = self.row_limit()
         too_many = [s for s in sizes if rows is not None and s > rows]
         if too_many and not every:
-            raise ValueError(f"piecewise: graph {graph.serial} reads or writes tensors of {rows} rows by batch row "
+            raise ValueError(f"piecewise: graph {self.serial} reads or writes tensors of {rows} rows by batch row "
                              f"(a KV cache's batch dim); sizes {too_many} would reach past them.")
         sizes = tuple(s for s in sizes if s not in too_many)
         return [policy.with_size(self._key, s) for s in sorted(set(sizes), reverse=True)]
 
     def _capture_key(self, key: tuple) -> None:
-        graph, plan = self.graph, self.graph.plan
-        graph.step.replay(key, key[graph.pad_position], False)
+        host, plan = self.host, self.plan
         values = {**self._values, **dict(zip(plan.key.symbols, key))}
-        scalars = graph.step_scalars.writes_disabled() if graph.step_scalars is not None else contextlib.nullcontext()
+        scalars = host.step_scalars.writes_disabled() if host.step_scalars is not None else contextlib.nullcontext()
+        runners, template = host.runners, self._template
         with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
-            graph.capturing_step(key, CaptureHow.UP_FRONT, values,
-                                 lambda: run_compute_pieces(plan, graph.runners, self._template, values))
+            host.capture_up_front(key, values, lambda: run_compute_pieces(plan, runners, template, values))
 
 
 class _ComputeOnlyRun(torch.fx.Interpreter):

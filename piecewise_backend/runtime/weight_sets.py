@@ -66,6 +66,21 @@ class WeightSet:
     retries: CaptureRetries = dataclasses.field(default_factory=CaptureRetries)  # keys whose capture failed
     full: FullGraphState = dataclasses.field(default_factory=FullGraphState)
 
+    def bind(self, runners: dict) -> None:
+        """Point each piece's runner at this set's graphs of it (the runners replay from them)."""
+        for name, runner in runners.items():
+            runner.use_graphs(self.captures.setdefault(name, {}), self.failed.setdefault(name, set()))
+
+    def drop(self, key: tuple) -> None:
+        """Forget the graphs of one shape key (its capture failed somewhere, or a busier key replaces it)."""
+        for captures in self.captures.values():
+            captures.pop(key, None)
+        for failed in self.failed.values():
+            failed.discard(key)
+        self.captured.discard(key)
+        self.unreplayed.discard(key)
+        self.routes.clear()
+
     def release(self) -> int:
         """Forget this set's graphs; the number of keys released. Keys whose capture failed stay
         un-graphed."""

@@ -30,9 +30,8 @@ import torch.fx
 from .._torch_internals import sym_expr
 from ..fx import graph_facts as facts
 from ..fx.graph_facts import grows_by_cat
-from ..op_names import canonical_op_name, display_name
+from ..op_names import SDPA, canonical_op_name, display_name
 
-SDPA = "aten::scaled_dot_product_attention"
 
 
 def _fixed_but_batch(value) -> bool:

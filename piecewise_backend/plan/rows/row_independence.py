@@ -33,7 +33,7 @@ import torch.fx
 
 from ..._torch_internals import sym_expr
 from ...fx import graph_facts as facts
-from ...op_names import canonical_op_name, display_name
+from ...op_names import SDPA, canonical_op_name, display_name
 from ..types import Capacity
 from .row_indexing import IndexingRules
 from .row_ops import ALONG_DIM, CONV_NDIM, MATMULS, METADATA, MOVES, NORMS_OVER_LAST, POINTWISE, RESHAPES, SPLIT_ALONG, Refused, as_dims, base, dims_arg, norm_dim, op_name, prefix
@@ -207,7 +207,7 @@ class _Analysis(IndexingRules):
             return None
         if name in ("batch_norm", "instance_norm"):
             return self.batch_norm(node, name, first, batched, where)
-        if name == "scaled_dot_product_attention":
+        if f"aten::{name}" == SDPA:
             return self.attention(batched, out, where)
         if name in ("index_select",):
             dim = norm_dim(dims_arg(node, 1, None), first_value.dim())

@@ -1,0 +1,292 @@
+"""Where every call's way of running is decided: replay, capture, ride, retry, replace, up front, full
+or un-graphed. One object per compiled graph; the compiled graph asks it once per call and does
+what it is told.
+
+The questions, in the order a call asks them (:meth:`CaptureDecisions.weights_ready`, then
+:meth:`CaptureDecisions.route`):
+
+1. **Which set of graphs?** The parameters' addresses choose the active :class:`WeightSet`
+   (``weight_sets.py`` says why sets, and when a new one is refused); with collectives, all ranks
+   agree (``distributed.py``). A refused set: un-graphed.
+2. **Full or piecewise?** Under ``cudagraph_mode("full")`` (``graph_mode.py``) a full graph of the
+   whole call serves it where the plan allows one and its key's capture has not failed; else the
+   call runs piecewise, the reason counted. Under ``"none"``: un-graphed.
+3. **The first call** remembers what up-front capture needs and captures ``eager_capture_sizes``
+   before its own output (``up_front.py`` executes it).
+4. **Which key?** ``capture_policy.CapturePolicy`` maps the shape key to a :class:`~.capture_policy.Route`:
+   replay a captured key (maybe padded), capture a new one, ride a larger captured graph while the
+   size's own capture waits (``capture_deferral.py``), or run un-graphed with a counted reason. The
+   route is cached per key (a decode loop pays one dict lookup).
+5. **Replace?** Under ``max_captured_sizes``, a refused key that keeps coming replaces the least used
+   captured one (``capture_traffic.py``).
+6. **Retry?** A key whose capture failed is captured again after a wait (``capture_retries.py``).
+
+After a capture, :meth:`CaptureDecisions.recorded` updates what the next calls are decided from
+(captured keys, retries, the budget's measure). Nothing else in the package changes those.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from ..kinds import CaptureHow, GraphMode, Miss
+from . import messages
+from .capture_policy import CapturePolicy, Route
+from .capture_traffic import CaptureTraffic
+from .symbolic import row_limit
+from .distributed import RankAgreement, agreed_refusal
+from .stats import CaptureEvent, GraphStats
+from .weight_sets import WeightSet, WeightSets
+
+log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
+
+UNGRAPHED_NONE = Route(None, miss=Miss.MODE_NONE)
+
+
+class CaptureDecisions:
+    """Every per-call choice of one compiled graph, and the state they are made from.
+
+    Args:
+        plan: the graph's plan (its key, padding, full-graph plan, inputs, settings).
+        stats: the graph's counters (decisions count their reasons there).
+        memory: ``() -> bytes`` of graph memory now (the budget's measure).
+        warnings: the graph's once-per-topic warnings (``messages.GraphWarnings``).
+    """
+
+    def __init__(self, plan, stats: GraphStats, memory: Callable[[], int], warnings: messages.GraphWarnings):
+        settings = plan.settings
+        self.settings = settings
+        self.stats = stats
+        self.memory = memory
+        self.warnings = warnings
+        # ranks that must decide captures together (distributed.py), from the groups the plan names
+        self.agreement = RankAgreement(list(plan.collective_groups)) if plan.collective_groups else None
+        full_refusal = None if plan.full.padding is not None else plan.full.padding_note
+        self.policy = CapturePolicy(settings, plan.key.pad_position, plan.padding.refusal, self.agreement,
+                                    row_limit(plan.padding.capacities, plan.key.symbols),
+                                    tuple(map(str, plan.key.symbols)),
+                                    (full_refusal, row_limit(plan.full.capacities, plan.key.symbols)))
+        self.full_refusal = plan.full.refusal
+        self.weights = WeightSets(plan.inputs.weight_indices, settings.max_weight_sets)
+        self.active = WeightSet(0)  # until the first call's addresses make one (weights_ready)
+        self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None
+        self._names = plan.inputs.names
+        self._pad = plan.key.pad_position
+        self._first = True  # the first piecewise route: up-front capture remembers, eager sizes are captured
+
+    @property
+    def captured(self) -> set:
+        """Shape keys with piecewise graphs, for the active set of weights."""
+        return self.active.captured
+
+    # -- 1. which set of graphs -------------------------------------------------------------------
+
+    def weights_ready(self, args: tuple, runners: dict, up_front) -> bool:
+        """Are the graphs of the call's parameter addresses the active ones, or made so now?
+
+        With collectives, every rank asks on every call whether all ranks' parameters are where
+        their graphs have them, and the ranks switch sets together (``distributed.py`` says why)."""
+        unchanged = self.weights.unchanged(args)
+        if self.agreement is not None:
+            unchanged = self.agreement.all_allow(unchanged)
+        if unchanged or self._switch_weights(self.weights.addresses(args), args, runners, up_front):
+            return True
+        self.stats.misses[Miss.WEIGHTS_MOVED] += 1
+        return False
+
+    def _switch_weights(self, addresses: tuple, args: tuple, runners: dict, up_front) -> bool:
+        """Make the graphs of this set of parameter addresses the active ones (``weight_sets.py``);
+        False when the set is new, ``max_weight_sets`` sets have graphs, and these addresses have not
+        come before (they get graphs if they come again). With collectives, False on every rank
+        when it is False on one, and the set switched to starts without graphs on every rank (its
+        graphs, if it had any, are released): ranks whose addresses did not move capture again
+        beside the one whose did."""
+        moved = self.weights.first_moved(addresses, self._names)
+        weight_set = self.weights.find(addresses)
+        detail = None
+        if weight_set is None:
+            detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
+                      f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
+        if self.agreement is not None:
+            detail = agreed_refusal(self.agreement, detail, messages.WEIGHTS_BOUND_ELSEWHERE)
+        serial = self.stats.serial
+        if detail is not None:
+            self.stats.miss_details[Miss.WEIGHTS_MOVED] = detail
+            self.warnings.once("weights bound", messages.weights_bound(serial, detail, weight_set is not None))
+            return False
+        if self.agreement is not None:
+            weight_set.release()
+        if weight_set.number > 1:
+            self.warnings.once("weights moved",
+                               messages.weights_moved(serial, moved, weight_set.number, self.weights.limit))
+        self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
+        self.stats.weight_sets_replaced = self.weights.replaced
+        self.weights.activate(addresses, weight_set)
+        self.active = weight_set
+        weight_set.bind(runners)
+        up_front.use_weights(args)  # capture() uses these weights from now on
+        return True
+
+    # -- 2-6. the route -----------------------------------------------------------------------------
+
+    def route(self, key: tuple, args: tuple, mode: GraphMode, up_front) -> Route:
+        """What this call does (``up_front``: the graph's ``UpFrontCapture``, which executes step 3)."""
+        if mode is GraphMode.NONE:
+            self.stats.misses[Miss.MODE_NONE] += 1
+            if self._pad is not None:
+                self.stats.batch_sizes[key[self._pad]] += 1
+            return UNGRAPHED_NONE
+        if mode is GraphMode.FULL:
+            route = self._full_route(key)
+            if route.key is not None:
+                return route
+            self.stats.full_fallbacks[route.detail] += 1
+        return self.piecewise_route(key, args, up_front)
+
+    def piecewise_route(self, key: tuple, args: tuple, up_front) -> Route:
+        """Steps 3-6 (a full graph that could not serve the call comes here too)."""
+        active = self.active
+        route = active.routes.get(key)
+        if route is None:
+            route = self._new_route(key, args, up_front)
+        if route.size is not None:
+            self.stats.batch_sizes[route.size] += 1
+        if self._traffic is not None:
+            route = self._follow_traffic(route, key, args, up_front)
+        if route.key is None:
+            self.stats.misses[route.miss] += 1
+            return route
+        if route.waiting is not None or route.miss is not None:  # its own size waits or was refused
+            self.stats.rides += 1
+        if active.retries.pending and not route.capture and active.retries.due(route.key):
+            self._drop(route.key)  # a failed capture's turn: the whole step is captured again (capture_retries.py)
+            route = self._new_route(key, args, up_front)
+            if route.key is None:
+                return route
+        return route
+
+    def _new_route(self, key: tuple, args: tuple, up_front) -> Route:
+        if self._first:
+            self._first = False
+            up_front.remember(key, args)
+            sizes = self.eager_sizes(up_front)
+            if sizes:
+                up_front.capture_sizes(sizes)  # before the first output
+        active = self.active
+        route = self.policy.route(key, active.captured, self.memory, active.unreplayed)
+        if route.miss is not None:
+            self._warn_refused(key, route)
+        if route.key is not None and not route.capture:
+            active.unreplayed.discard(route.key)  # a captured key's first replay is routed here (routes were cleared)
+        if not route.capture and route.waiting is None:  # a size waiting for its own graph counts its calls
+            active.routes[key] = route
+        return route
+
+    def eager_sizes(self, up_front) -> tuple:
+        """``eager_capture_sizes`` this graph captures on its first call (warned when some cannot be)."""
+        sizes, serial = self.settings.eager_sizes, self.stats.serial
+        if not sizes or self._pad is None:
+            return ()
+        if up_front.writes_unmasked:
+            self.warnings.once("eager sizes", f"piecewise: graph {serial}: eager_capture_sizes ignored: "
+                                              f"{up_front.no_up_front_capture()}")
+            return ()
+        rows = up_front.row_limit()
+        if rows is not None and any(s > rows for s in sizes):
+            self.warnings.once("eager rows", f"piecewise: graph {serial}: eager_capture_sizes above {rows} are "
+                                             f"not captured: the graph reads or writes tensors of {rows} rows by "
+                                             f"batch row (a KV cache's batch dim).")
+            sizes = tuple(s for s in sizes if s <= rows)
+        return sizes
+
+    def up_front_route(self, key: tuple) -> Route:
+        """May ``key`` be captured up front now (``capture()``)? The budget's answer, as a route."""
+        route = self.policy.admit(key, self.active.captured, self.memory)
+        if not route.capture:
+            self.warnings.once(Miss.OVER_BUDGET, f"piecewise: graph {self.stats.serial}: stopped capturing at "
+                                                 f"shape key {key}: {route.detail}.")
+        return route
+
+    def _full_route(self, key: tuple) -> Route:
+        """A full graph to replay or capture, or (no key) why the call runs piecewise, every rank agreeing."""
+        state = self.active.full
+        route = state.routes.get(key)
+        if route is None:
+            route = self.policy.full_route(key, state.graphs, state.failed, self.memory, state.unreplayed,
+                                           self.full_refusal)
+            if route.key is not None and not route.capture:
+                state.unreplayed.discard(route.key)  # a captured key's first replay is routed here
+            if not route.capture and route.waiting is None:
+                state.routes[key] = route
+        reason = route.detail if route.key is None else None
+        reason = agreed_refusal(self.agreement, reason, "another rank runs this call piecewise")
+        return route if reason is None else Route(None, route.size, detail=reason, full=True)
+
+    def _follow_traffic(self, route: Route, key: tuple, args: tuple, up_front) -> Route:
+        """Count the call's key; a key refused by ``max_captured_sizes`` that keeps coming replaces
+        the least used captured key (``capture_traffic.py``), every rank agreeing."""
+        decide, victim = self._traffic.replacement(route, self.active.captured, self.policy, self.memory)
+        if not decide or agreed_refusal(self.agreement, None if victim is not None else "keeps its graphs",
+                                        "another rank keeps them"):
+            return route
+        self._drop(victim)
+        self.stats.replaced_keys.append(victim)
+        log.info("piecewise: graph %d: shape key %s replaces %s (%s)", self.stats.serial, route.wanted, victim,
+                 self._traffic.describe(route.wanted, victim))
+        return self._new_route(key, args, up_front)
+
+    def _drop(self, captured_key: tuple) -> None:
+        self.active.drop(captured_key)
+
+    def _warn_refused(self, key: tuple, route: Route) -> None:
+        self.stats.miss_details[route.miss] = route.detail
+        instead = (f"Those calls replay the graph of {route.key}, padded" if route.key is not None
+                   else "Those calls run un-graphed")
+        if route.miss == Miss.OVER_BUDGET:
+            self.warnings.once(route.miss, messages.over_budget(self.stats.serial, key, route.detail, instead))
+        elif route.miss == Miss.NEVER_REPLAYED:
+            self.warnings.once(route.miss, messages.never_replayed(self.stats.serial, route.detail, instead))
+
+    # -- after a capture ------------------------------------------------------------------------------
+
+    def recorded(self, key: tuple, how: CaptureHow, seconds: float, before: int, mode: GraphMode,
+                 failed: bool = False, pieces: int = 1) -> None:
+        """A capture of ``key`` ended (``failed``: some piece of it failed): what the next calls are
+        decided from, the budget's measure, the event and the log line."""
+        after = self.memory()
+        active = self.active
+        if mode is GraphMode.PIECEWISE:
+            active.captured.add(key)
+            if failed:
+                active.retries.failed(key)
+            else:
+                active.retries.succeeded(key)
+            if how == CaptureHow.LAZY:
+                active.unreplayed.add(key)
+            active.routes.clear()  # misses may now be served (lazy_capture=False) or refused (budget)
+        else:
+            active.full.unreplayed.add(key)
+            active.full.routes.clear()  # misses may now be served (a larger graph to ride)
+        self.policy.budget.record(key[self._pad] if self._pad is not None else None, after - before)
+        self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces, self.stats.calls, mode))
+        log.info("piecewise: graph %d: captured shape key %s (%s, %s) in %.0f ms; graph pool %.1f MiB (+%.1f MiB)",
+                 self.stats.serial, key, how, "whole call" if mode is GraphMode.FULL else f"{pieces} pieces",
+                 seconds * 1e3, after / 2**20, (after - before) / 2**20)
+        cap = self.settings.max_graph_memory
+        if cap is not None and after > cap:
+            self.warnings.once("over cap", f"piecewise: graph {self.stats.serial}: graph memory holds "
+                                           f"{after / 2**20:.1f} MiB after capturing {key}, above max_graph_memory="
+                                           f"{cap / 2**20:.1f} MiB; no further captures.")
+
+    def full_failed(self, key: tuple, message: str) -> None:
+        """A full capture of ``key`` failed: that size runs piecewise from now on."""
+        state = self.active.full
+        state.failed[key] = message
+        state.routes.clear()
+        self.stats.full_failures.append(message)
+        self.warnings.once("full capture", f"piecewise: graph {self.stats.serial}: {message}")
+
+    def release(self) -> int:
+        """Forget every shape key's graphs, for every set of weights; the number of keys released."""
+        return sum(weight_set.release() for weight_set in self.weights.all())
