@@ -1,6 +1,6 @@
 """A/B, interleaved step by step: KV-cache writes inside the graphs (default) vs eager between them.
 
-    python benchmarks/ab_kv_writes.py [--model 16L --batches 1 8 32 --steps 60] [--json out.json]
+    python -m benchmarks.ab_kv_writes [--model 16L --batches 1 8 32 --steps 60] [--json out.json]
 
 Two copies of one model (same weights), compiled with ``capture_kv_writes`` on and off, decode in
 lockstep: step A, step B, step A, ... so that host noise hits both alike. Per variant and batch:
@@ -20,10 +20,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
+from benchmarks.suite_models import MODELS, next_ids, toy_model
 from toys.models import reset_caches
-from suite_models import MODELS, next_ids, toy_model
 
 VARIANTS = {"kv-in-graphs": {}, "kv-eager": {"capture_kv_writes": False}}
 
@@ -79,16 +78,22 @@ def main() -> None:
                 for name in order:
                     times[name].append(_timed_step(states[name]))
             for name in VARIANTS:
-                tail = times[name][args.steps // 3:]
-                row = {"model": args.model, "batch": batch, "variant": name,
-                       "step_ms": round(statistics.median(t[0] for t in tail), 4),
-                       "enqueue_us": round(statistics.median(t[1] for t in tail), 1),
-                       "gpu_us_per_step": round(_gpu_us_per_step(states[name], 5), 1)}
+                tail = times[name][args.steps // 3 :]
+                row = {
+                    "model": args.model,
+                    "batch": batch,
+                    "variant": name,
+                    "step_ms": round(statistics.median(t[0] for t in tail), 4),
+                    "enqueue_us": round(statistics.median(t[1] for t in tail), 1),
+                    "gpu_us_per_step": round(_gpu_us_per_step(states[name], 5), 1),
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     graphs = piecewise_backend.compiled_graphs()
-    check = {"graphs_with_kv_in_graphs": sum(g.step_scalars is not None for g in graphs),
-             "graphs_with_kv_eager": sum(g.step_scalars is None for g in graphs)}
+    check = {
+        "graphs_with_kv_in_graphs": sum(g.step_scalars is not None for g in graphs),
+        "graphs_with_kv_eager": sum(g.step_scalars is None for g in graphs),
+    }
     print(json.dumps(check))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,7 @@
 """A/B of two versions of the package on one machine: each version's own suite, in alternating processes.
 
-    python benchmarks/ab_versions.py --export REV DIR      # here: REV's package and benchmarks into DIR
-    python benchmarks/ab_versions.py A_DIR B_DIR [--models 16L --batches 1 8 32
+    python -m benchmarks.ab_versions --export REV DIR      # here: REV's package and benchmarks into DIR
+    python -m benchmarks.ab_versions A_DIR B_DIR [--models 16L --batches 1 8 32
         --variants limit piecewise --rounds 3 --json out.json]
 
 Why: the lent machines differ by more than the changes being measured (the same piecewise step took
@@ -28,16 +28,19 @@ import subprocess
 import sys
 import tempfile
 
-from plot import limit_times, vs_limit
-from record import code_hash
+from benchmarks.plot import limit_times, vs_limit
+from benchmarks.record import code_hash
 
 
 def export(rev: str, target: str) -> None:
-    """``rev``'s ``piecewise_backend/`` and ``benchmarks/`` into ``target`` (from this repo's git)."""
+    """``rev``'s ``piecewise_backend/``, ``benchmarks/`` and ``toys/`` into ``target`` (from this repo's git)."""
     root = pathlib.Path(__file__).resolve().parent.parent
     pathlib.Path(target).mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(["git", "-C", str(root), "archive", rev, "piecewise_backend", "benchmarks"],
-                             check=True, capture_output=True).stdout
+    archive = subprocess.run(
+        ["git", "-C", str(root), "archive", rev, "piecewise_backend", "benchmarks", "toys"],
+        check=True,
+        capture_output=True,
+    ).stdout
     subprocess.run(["tar", "-x", "-C", target], input=archive, check=True)
     print(f"{rev} -> {target} (code hash {code_hash(pathlib.Path(target))[:8]})")
 
@@ -48,18 +51,40 @@ def _env(version: pathlib.Path) -> dict:
 
 def _check_import(version: pathlib.Path) -> None:
     """The child must import *this* version's package, not an installed one."""
-    where = subprocess.run([sys.executable, "-c", "import piecewise_backend; print(piecewise_backend.__file__)"],
-                           env=_env(version), cwd=version / "benchmarks", capture_output=True, text=True,
-                           check=True).stdout.strip()
+    where = subprocess.run(
+        [sys.executable, "-c", "import piecewise_backend; print(piecewise_backend.__file__)"],
+        env=_env(version),
+        cwd=version / "benchmarks",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     if not pathlib.Path(where).resolve().is_relative_to(version.resolve()):
         raise SystemExit(f"{version}: piecewise_backend imports from {where}, not from the version directory")
 
 
 def _one_run(version: pathlib.Path, args, out: pathlib.Path) -> list[dict]:
-    command = [sys.executable, str(version / "benchmarks" / "suite.py"), "--out", str(out),
-               "--models", *args.models, "--batches", *map(str, args.batches), "--variants", *args.variants,
-               "--steps", str(args.steps), "--prompt", str(args.prompt)]
-    done = subprocess.run(command, env=_env(version), cwd=version / "benchmarks", capture_output=True, text=True)
+    package = (version / "benchmarks" / "__init__.py").exists()  # since the benchmarks became a package
+    runs = ["-m", "benchmarks.suite"] if package else [str(version / "benchmarks" / "suite.py")]
+    command = [
+        sys.executable,
+        *runs,
+        "--out",
+        str(out),
+        "--models",
+        *args.models,
+        "--batches",
+        *map(str, args.batches),
+        "--variants",
+        *args.variants,
+        "--steps",
+        str(args.steps),
+        "--prompt",
+        str(args.prompt),
+    ]
+    done = subprocess.run(
+        command, env=_env(version), cwd=version if package else version / "benchmarks", capture_output=True, text=True
+    )
     if done.returncode != 0 or not out.exists():
         raise SystemExit(f"{version}: suite failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(out.read_text())["decode"]
@@ -120,11 +145,25 @@ def main() -> None:
             for label, version in versions.items():
                 rows = _with_ratios(_one_run(version, args, pathlib.Path(tmp) / f"{label}{i}.json"))
                 runs[label].append(rows)
-                print(json.dumps({"round": i, "version": label, "rows": [
-                    {k: r.get(k) for k in ("model", "variant", "batch", "step_ms", "vs_limit", "error")} for r in rows]}),
-                    flush=True)
-    result = {"versions": {label: {"dir": str(v), "code_hash": code_hash(v)} for label, v in versions.items()},
-              "rounds": args.rounds, "summary": _summary(runs), "runs": runs}
+                print(
+                    json.dumps(
+                        {
+                            "round": i,
+                            "version": label,
+                            "rows": [
+                                {k: r.get(k) for k in ("model", "variant", "batch", "step_ms", "vs_limit", "error")}
+                                for r in rows
+                            ],
+                        }
+                    ),
+                    flush=True,
+                )
+    result = {
+        "versions": {label: {"dir": str(v), "code_hash": code_hash(v)} for label, v in versions.items()},
+        "rounds": args.rounds,
+        "summary": _summary(runs),
+        "runs": runs,
+    }
     for row in result["summary"]:
         print(json.dumps(row))
     if args.json:

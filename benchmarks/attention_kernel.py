@@ -1,6 +1,6 @@
 """GPU time of the graph-safe decode attention kernel (``ops/kernel.py``) per launch config, vs SDPA.
 
-    python benchmarks/attention_kernel.py --json kernel.json      (a GPU with Triton; ~30 s)
+    python -m benchmarks.attention_kernel --json kernel.json      (a GPU with Triton; ~30 s)
 
 Why: the kernel's launch (keys per block, one warp per program) is a fixed rule by batch and head
 dim (``kernel.plan_splits``); this is the measurement the rule comes from, and the check that it
@@ -20,7 +20,6 @@ import math
 import torch
 import torch.nn.functional as F
 
-import _checkout  # noqa: F401  (the checkout on sys.path)
 from piecewise_backend.ops import kernel
 
 CASES = [(1, 300, 336), (8, 300, 336), (32, 300, 336), (32, 1000, 1100), (1, 2000, 4096)]  # batch, live, buffer
@@ -60,15 +59,24 @@ def measure(batch: int, live: int, buffer: int) -> dict:
     keys, values = torch.randn(2, batch, HEADS, buffer, HEAD_DIM, device="cuda", dtype=torch.bfloat16).unbind(0)
     length = torch.tensor([live], device="cuda")
     want = F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])
-    us = {"sdpa": graph_us(lambda: F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])),
-          "chosen": graph_us(lambda: kernel.prefix_attention(q, keys, values, length))}
+    us = {
+        "sdpa": graph_us(lambda: F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])),
+        "chosen": graph_us(lambda: kernel.prefix_attention(q, keys, values, length)),
+    }
     for block, warps in itertools.product((16, 64, 128), (1, 2, 4)):
         run = launch_with(q, keys, values, length, block, warps)
         torch.testing.assert_close(run(), want, atol=2e-2, rtol=2e-2)
         us[f"b{block}w{warps}"] = graph_us(run)
     chosen_block = kernel.plan_splits(batch * HEADS, buffer, HEAD_DIM)[0]
-    return {"batch": batch, "heads": HEADS, "head_dim": HEAD_DIM, "live": live, "buffer": buffer,
-            "chosen_block": chosen_block, "us": us}
+    return {
+        "batch": batch,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "live": live,
+        "buffer": buffer,
+        "chosen_block": chosen_block,
+        "us": us,
+    }
 
 
 def main() -> None:

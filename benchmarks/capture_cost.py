@@ -1,6 +1,6 @@
 """What capture costs on the GPU: time for one new size, by hand, all default sizes; pool memory.
 
-    python benchmarks/capture_cost.py --out capture.json [--layers 16]
+    python -m benchmarks.capture_cost --out capture.json [--layers 16]
 
 Run in a fresh process: the graph pool only grows, so "the largest size alone" must be measured
 before anything else is captured. Part A captures size 512 up front (the pool then holds the
@@ -17,9 +17,8 @@ import time
 
 import torch
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
-from suite_models import toy_model
+from benchmarks.suite_models import toy_model
 
 POS = 8
 
@@ -29,9 +28,13 @@ def decode_graph():
     graphs = piecewise_backend.compiled_graphs()
     served = [g for g in graphs if g.pad_position is not None and g.stats.calls]
     if not served:
-        raise RuntimeError("no graph dynamic in the batch served a call:\n" + "\n\n".join(
-            f"graph {g.serial} (pad position {g.pad_position}, key symbols {g.key_symbols}):\n{g.stats.summary()}"
-            for g in graphs))
+        raise RuntimeError(
+            "no graph dynamic in the batch served a call:\n"
+            + "\n\n".join(
+                f"graph {g.serial} (pad position {g.pad_position}, key symbols {g.key_symbols}):\n{g.stats.summary()}"
+                for g in graphs
+            )
+        )
     return max(served, key=lambda g: g.stats.calls)
 
 
@@ -45,8 +48,11 @@ def call(compiled, batch: int, pos: int):
 
 def all_sizes_up_front(model, max_size: int) -> dict:
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="piecewise", options={
-        "max_capture_size": max_size, "eager_capture_sizes": [max_size], "lazy_capture": False})
+    compiled = torch.compile(
+        model,
+        backend="piecewise",
+        options={"max_capture_size": max_size, "eager_capture_sizes": [max_size], "lazy_capture": False},
+    )
     call(compiled, 2, POS)  # captures max_size before its first output, then replays it padded
     graph = decode_graph()
     assert graph.stats.events, graph.stats.summary()
@@ -62,10 +68,14 @@ def all_sizes_up_front(model, max_size: int) -> dict:
     ids = torch.randint(0, 32000, (5, 1), device="cuda")
     diff = (compiled(ids, POS + 1).float() - model(ids, POS + 1).float()).abs().max().item()
     return {
-        "sizes": len(graph.captured), "largest_size": max_size,
-        "largest_size_s": round(largest.seconds, 3), "all_default_sizes_s": round(largest.seconds + rest_s, 3),
-        "largest_size_bytes": largest_bytes, "all_default_sizes_bytes": all_bytes,
-        "padded_batch5_max_abs_diff_vs_eager": diff, "summary": graph.stats.summary(),
+        "sizes": len(graph.captured),
+        "largest_size": max_size,
+        "largest_size_s": round(largest.seconds, 3),
+        "all_default_sizes_s": round(largest.seconds + rest_s, 3),
+        "largest_size_bytes": largest_bytes,
+        "all_default_sizes_bytes": all_bytes,
+        "padded_batch5_max_abs_diff_vs_eager": diff,
+        "summary": graph.stats.summary(),
     }
 
 
@@ -74,9 +84,11 @@ def _spy_first_call_args(runners) -> dict:
     the warm-up run's, i.e. the very buffers and (padded) scalars the graph is captured with."""
     seen: dict = {}
     for runner in runners:
+
         def spy(*args, _fn=runner.fn, _name=runner.name):
             seen.setdefault(_name, args)
             return _fn(*args)
+
         spy.__wrapped__ = runner.fn
         runner.fn = spy
     return seen
@@ -126,15 +138,23 @@ def main() -> None:
         memory = all_sizes_up_front(model, args.max_size)
         one = one_size(model)
     result = {
-        "capture": {"model": f"llama-{cfg.layers}L-{cfg.hidden}", "one_size_s": one["one_size_s"],
-                    "one_size_by_hand_s": one["one_size_by_hand_s"],
-                    "one_size_vs_by_hand": round(one["one_size_s"] / one["one_size_by_hand_s"], 3),
-                    "one_size_pieces": one["pieces"], "all_default_sizes_s": memory["all_default_sizes_s"],
-                    "all_default_sizes": memory["sizes"], "largest_size_s": memory["largest_size_s"]},
-        "memory": {"largest_size": memory["largest_size"], "largest_size_bytes": memory["largest_size_bytes"],
-                   "all_default_sizes_bytes": memory["all_default_sizes_bytes"],
-                   "all_vs_largest": round(memory["all_default_sizes_bytes"] / memory["largest_size_bytes"], 3),
-                   "padded_batch5_max_abs_diff_vs_eager": memory["padded_batch5_max_abs_diff_vs_eager"]},
+        "capture": {
+            "model": f"llama-{cfg.layers}L-{cfg.hidden}",
+            "one_size_s": one["one_size_s"],
+            "one_size_by_hand_s": one["one_size_by_hand_s"],
+            "one_size_vs_by_hand": round(one["one_size_s"] / one["one_size_by_hand_s"], 3),
+            "one_size_pieces": one["pieces"],
+            "all_default_sizes_s": memory["all_default_sizes_s"],
+            "all_default_sizes": memory["sizes"],
+            "largest_size_s": memory["largest_size_s"],
+        },
+        "memory": {
+            "largest_size": memory["largest_size"],
+            "largest_size_bytes": memory["largest_size_bytes"],
+            "all_default_sizes_bytes": memory["all_default_sizes_bytes"],
+            "all_vs_largest": round(memory["all_default_sizes_bytes"] / memory["largest_size_bytes"], 3),
+            "padded_batch5_max_abs_diff_vs_eager": memory["padded_batch5_max_abs_diff_vs_eager"],
+        },
     }
     print(memory["summary"])
     print(json.dumps(result, indent=1))

@@ -1,6 +1,6 @@
 """Does the way a graph is captured change its replay time? (CUDA only)
 
-    python benchmarks/capture_paths.py BATCH
+    python -m benchmarks.capture_paths BATCH
 
 The limit's Inductor-compiled decode step (16L whole-cache idiom) captured five ways in one process
 and each replayed alone: ``torch.cuda.graph``; the backend's own capture (``DeviceGraphs.record``:
@@ -8,15 +8,18 @@ a shared pool, ``capture_error_mode="thread_local"``, cuBLAS workspaces from the
 of those three differences alone. On the H200 at code hash ``95a5198c…``, batch 8: 680.3–682.6 µs
 per replay, all five within 0.4%: the capture path does not make a graph slower.
 """
-import os, sys, statistics, argparse
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+
+import argparse
+import statistics
+import sys
+
 import torch
-import _checkout  # noqa
-from suite_models import models_for
-from timing import timed
-from toys.models import reset_caches
-from piecewise_backend.runtime.devices import device_graphs
+
+from benchmarks.suite_models import models_for
+from benchmarks.timing import timed
 from piecewise_backend import _torch_internals
+from piecewise_backend.runtime.devices import device_graphs
+from toys.models import reset_caches
 
 batch = int(sys.argv[1])
 args = argparse.Namespace(prompt=256, steps=40, batches=[batch])

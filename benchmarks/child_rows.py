@@ -28,5 +28,5 @@ def child_row(cmd: list, timeout: int, caches: str | None = None) -> dict:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {timeout} s"}
-    lines = [line[len(PREFIX):] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
+    lines = [line[len(PREFIX) :] for line in done.stdout.splitlines() if line.startswith(PREFIX)]
     return json.loads(lines[-1]) if lines else {"error": done.stderr[-600:]}

@@ -1,6 +1,6 @@
 """What Dynamo's entry costs one decode call of transformers' forward, and what ``guard_filter_fn`` cuts.
 
-    python benchmarks/dynamo_entry.py --out entry.json [--layers 4 28] [--device cuda]
+    python -m benchmarks.dynamo_entry --out entry.json [--layers 4 28] [--device cuda]
 
 The model is transformers' ``Qwen3ForCausalLM`` (hidden 64, random weights) with a static cache,
 batch 4, one new token per call. It is compiled with a backend that hands back what its graph
@@ -24,8 +24,12 @@ import time
 
 import torch
 
-FILTERS = ("skip_guard_on_inbuilt_nn_modules_unsafe", "skip_guard_on_all_nn_modules_unsafe",
-           "keep_tensor_guards_unsafe", "skip_guard_on_globals_unsafe")
+FILTERS = (
+    "skip_guard_on_inbuilt_nn_modules_unsafe",
+    "skip_guard_on_all_nn_modules_unsafe",
+    "keep_tensor_guards_unsafe",
+    "skip_guard_on_globals_unsafe",
+)
 
 
 def _constant_backend(gm, example_inputs):
@@ -35,6 +39,7 @@ def _constant_backend(gm, example_inputs):
         if not cached:
             cached.append(gm(*args))
         return cached[0]
+
     return call
 
 
@@ -42,9 +47,16 @@ def entry_us(layers: int, device: str) -> list[dict]:
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                   max_position_embeddings=256)
+    cfg = transformers.Qwen3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     model = transformers.Qwen3ForCausalLM(cfg).to(device).eval()
     cache = transformers.StaticCache(config=cfg, max_cache_len=128)
     ids = torch.randint(0, 256, (4, 8), device=device)
@@ -58,16 +70,24 @@ def entry_us(layers: int, device: str) -> list[dict]:
         return (time.perf_counter() - start) / calls * 1e6
 
     rows = []
-    variants = {"guards": None, **{name: getattr(torch.compiler, name) for name in FILTERS
-                                   if hasattr(torch.compiler, name)}}
+    variants = {
+        "guards": None,
+        **{name: getattr(torch.compiler, name) for name in FILTERS if hasattr(torch.compiler, name)},
+    }
     with torch.no_grad():
         for name, guard_filter in variants.items():
             torch._dynamo.reset()
             options = {"guard_filter_fn": guard_filter} if guard_filter is not None else None
             forward = torch.compile(model.forward, backend=_constant_backend, options=options)
             timed(forward, 3)
-            rows.append({"model": "qwen3", "layers": layers, "variant": name,
-                         "entry_us": round(statistics.median(timed(forward, 40) for _ in range(7)), 1)})
+            rows.append(
+                {
+                    "model": "qwen3",
+                    "layers": layers,
+                    "variant": name,
+                    "entry_us": round(statistics.median(timed(forward, 40) for _ in range(7)), 1),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         # after warm-up, a server's switch instead of a filter: Dynamo checks only the guards that
         # tell its cached graphs apart (compiled with every guard, as in the first row)
@@ -75,8 +95,14 @@ def entry_us(layers: int, device: str) -> list[dict]:
         forward = torch.compile(model.forward, backend=_constant_backend)
         timed(forward, 3)
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            rows.append({"model": "qwen3", "layers": layers, "variant": "set_stance(skip_guard_eval_unsafe=True)",
-                         "entry_us": round(statistics.median(timed(forward, 40) for _ in range(7)), 1)})
+            rows.append(
+                {
+                    "model": "qwen3",
+                    "layers": layers,
+                    "variant": "set_stance(skip_guard_eval_unsafe=True)",
+                    "entry_us": round(statistics.median(timed(forward, 40) for _ in range(7)), 1),
+                }
+            )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -1,7 +1,7 @@
 """The GPU kernels of a decode step, piecewise against the one-graph limit: where the graph's extra
 GPU time (the ``"decode"`` rows' pipelined excess, 11–12% at batch 8) goes.
 
-    python benchmarks/graph_kernels.py [--models 16L-whole-cache 16L] [--batches 1 8] [--steps 20] [--top 12]
+    python -m benchmarks.graph_kernels [--models 16L-whole-cache 16L] [--batches 1 8] [--steps 20] [--top 12]
 
 Per model and batch: torch.profiler (CUDA activity only) over ``--steps`` decode steps of each of
 ``limit`` and ``piecewise`` (suite.py's variants, torch's defaults), kernels grouped by name with
@@ -20,10 +20,9 @@ import json
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
-from suite_models import models_for, next_ids
-from suite_variants import compiled_variant, limit_graph
-from timing import time_decode
+from benchmarks.suite_models import models_for, next_ids
+from benchmarks.suite_variants import compiled_variant, limit_graph
+from benchmarks.timing import time_decode
 from toys.models import reset_caches
 
 

@@ -1,7 +1,7 @@
 """Graph memory: ``estimate_graph_memory`` against what capturing every default size really takes.
 
-    python benchmarks/graph_memory.py --out graph_memory.json [--models engine hf] [--sweep [--order ascending]]
-    python benchmarks/graph_memory.py --out /tmp/g.json --models hf --tiny --sizes 1,2,4,8   # smoke test (CUDA)
+    python -m benchmarks.graph_memory --out graph_memory.json [--models engine hf] [--sweep [--order ascending]]
+    python -m benchmarks.graph_memory --out /tmp/g.json --models hf --tiny --sizes 1,2,4,8   # smoke test (CUDA)
 
 Models (one child process each, with its own timeout; CUDA only: graph memory is the allocator's count):
 
@@ -32,14 +32,11 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-
 
 def engine_graph(tiny: bool):
     import types
 
-    import serving
+    from benchmarks import serving
 
     config = "tiny" if tiny else "qwen2.5-1.5b"
     args = types.SimpleNamespace(config=config, max_num_tokens=512, max_num_seqs=64)
@@ -52,10 +49,25 @@ def engine_graph(tiny: bool):
 def hf_graph(tiny: bool, first: int):
     import transformers
 
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, vocab_size=256) if tiny else \
-        dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-             num_key_value_heads=2, vocab_size=151936)
+    dims = (
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+        )
+        if tiny
+        else dict(
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            vocab_size=151936,
+        )
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**dims)).to("cuda", torch.bfloat16).eval()
     forward = torch.compile(model.forward, backend="piecewise")
@@ -71,8 +83,10 @@ def the_graph():
 
     able = [g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front]
     if not able:
-        raise RuntimeError("no compiled graph can capture up front: "
-                           + "; ".join(g.up_front.refusal() for g in piecewise_backend.compiled_graphs()))
+        raise RuntimeError(
+            "no compiled graph can capture up front: "
+            + "; ".join(g.up_front.refusal() for g in piecewise_backend.compiled_graphs())
+        )
     return max(able, key=lambda g: g.stats.calls)
 
 
@@ -84,8 +98,13 @@ def pool_allocated_bytes() -> int:
     if graphs is None:
         return 0
     handles = {tuple(h) for h, _ in graphs._retired} | ({tuple(graphs._pool[0])} if graphs._pool else set())
-    return sum(b["size"] for seg in torch.cuda.memory_snapshot() if tuple(seg.get("segment_pool_id", ())) in handles
-               for b in seg["blocks"] if b["state"] == "active_allocated")
+    return sum(
+        b["size"]
+        for seg in torch.cuda.memory_snapshot()
+        if tuple(seg.get("segment_pool_id", ())) in handles
+        for b in seg["blocks"]
+        if b["state"] == "active_allocated"
+    )
 
 
 def sweep(graph, sizes: list, order_name: str) -> list:
@@ -93,14 +112,26 @@ def sweep(graph, sizes: list, order_name: str) -> list:
 
     ordered = sorted(sizes, reverse=True)
     order = [ordered[0], ordered[-1], *ordered[1:-1]] if order_name == "descending" else sorted(sizes)
-    rows = [{"size": None, "pool": piecewise_backend.pool_bytes(), "pool_allocated": pool_allocated_bytes(),
-             "inputs": graph.input_buffer_bytes(), "already": sorted(k[graph.pad_position]
-                                                                                       for k in graph.captured)}]
+    rows = [
+        {
+            "size": None,
+            "pool": piecewise_backend.pool_bytes(),
+            "pool_allocated": pool_allocated_bytes(),
+            "inputs": graph.input_buffer_bytes(),
+            "already": sorted(k[graph.pad_position] for k in graph.captured),
+        }
+    ]
     for size in order:
         graph.capture([size])
         torch.cuda.synchronize()
-        rows.append({"size": size, "pool": piecewise_backend.pool_bytes(), "pool_allocated": pool_allocated_bytes(),
-                     "inputs": graph.input_buffer_bytes()})
+        rows.append(
+            {
+                "size": size,
+                "pool": piecewise_backend.pool_bytes(),
+                "pool_allocated": pool_allocated_bytes(),
+                "inputs": graph.input_buffer_bytes(),
+            }
+        )
     return rows
 
 
@@ -116,10 +147,17 @@ def estimate_row(graph) -> dict:
     torch.cuda.synchronize()
     measured = piecewise_backend.graph_memory_bytes()
     pool = piecewise_backend.pool_bytes()
-    return {"predicted_bytes": predicted, "measured_bytes": measured, "error": round(predicted / measured - 1, 4),
-            "sizes": f"{len(sizes)} sizes up to {max(sizes)}", "from_sizes": [s for s, _ in guess.measured],
-            "pool_bytes": pool, "input_buffer_bytes": measured - pool,
-            "estimate": str(guess), "estimate_s": round(seconds, 2)}
+    return {
+        "predicted_bytes": predicted,
+        "measured_bytes": measured,
+        "error": round(predicted / measured - 1, 4),
+        "sizes": f"{len(sizes)} sizes up to {max(sizes)}",
+        "from_sizes": [s for s, _ in guess.measured],
+        "pool_bytes": pool,
+        "input_buffer_bytes": measured - pool,
+        "estimate": str(guess),
+        "estimate_s": round(seconds, 2),
+    }
 
 
 def child(args) -> None:
@@ -157,13 +195,24 @@ def main() -> None:
     if args.model:
         child(args)
         return
-    from record import code_hash
+    from benchmarks.record import code_hash
 
     rows = []
     for model in args.models:
-        cmd = [sys.executable, __file__, "--out", "-", "--model", model, *(["--sweep"] if args.sweep else []),
-               "--order", args.order, *(["--tiny"] if args.tiny else []),
-               *(["--sizes", args.sizes] if args.sizes else [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            __spec__.name,
+            "--out",
+            "-",
+            "--model",
+            model,
+            *(["--sweep"] if args.sweep else []),
+            "--order",
+            args.order,
+            *(["--tiny"] if args.tiny else []),
+            *(["--sizes", args.sizes] if args.sizes else []),
+        ]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]

@@ -1,8 +1,8 @@
 """Hugging Face ``generate()`` per token: eager, torch.compile's paths and this backend, side by side.
 
-    python benchmarks/hf_generate.py --out hf.json [--models 8L-512 1B] [--batches 1 4 16] [--tokens 64] [--rounds 3]
-    python benchmarks/hf_generate.py --out /tmp/hf.json --device cpu --models tiny --batches 2 --tokens 8
-    python benchmarks/hf_generate.py --out hf.json --dtype bfloat16 --models qwen3-4L-512 phi3-28L-1.5b gemma3-4L-512
+    python -m benchmarks.hf_generate --out hf.json [--models 8L-512 1B] [--batches 1 4 16] [--tokens 64] [--rounds 3]
+    python -m benchmarks.hf_generate --out /tmp/hf.json --device cpu --models tiny --batches 2 --tokens 8
+    python -m benchmarks.hf_generate --out hf.json --dtype bfloat16 --models qwen3-4L-512 phi3-28L-1.5b gemma3-4L-512
 
 Models: Llama shapes by name (``8L-512``, ``1B``, ``tiny``), or ``ARCH-NL-DIMS``: Llama, Qwen2, Qwen3,
 Phi-3 or Gemma 3 at N layers with the widths of ``512`` (hidden 512) or ``1.5b`` (Qwen2.5-1.5B's).
@@ -39,7 +39,6 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 import traceback
 import warnings
@@ -47,28 +46,56 @@ import warnings
 import torch
 import transformers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-from record import code_hash  # noqa: E402
+from benchmarks.record import code_hash
 
 MODELS = {
     # the configuration of the issue: 8 layers, hidden 512, GQA
-    "8L-512": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                   num_key_value_heads=2, vocab_size=32000),
+    "8L-512": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
     # a smoke test's size (``--device cpu``)
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                 num_key_value_heads=2, vocab_size=256),
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
     # TinyLlama-1.1B's shape (1.1e9 parameters), random weights
-    "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-               num_key_value_heads=4, vocab_size=32000),
+    "1B": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
 }
 # ``ARCH-NL-DIMS`` model keys (``qwen3-4L-512``, ``gemma3-28L-1.5b``): an architecture, a depth, and
 # the widths of one of these (``1.5b``: Qwen2.5-1.5B's)
 DIMS = {
-    "512": dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-                vocab_size=32000),
-    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_attention_heads=12, num_key_value_heads=2,
-                 head_dim=128, vocab_size=32000),
+    "512": dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=32000,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        head_dim=128,
+        vocab_size=32000,
+    ),
 }
 ARCHS = {  # config class, model class, what the architecture adds
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -88,19 +115,36 @@ def model_config(key: str):
     arch, _, rest = key.partition("-")
     layers, _, dims = rest.partition("L-")
     if arch not in ARCHS or dims not in DIMS or not layers.isdigit():
-        raise ValueError(f"unknown model {key!r}: one of {', '.join(MODELS)}, or ARCH-NL-DIMS with ARCH in "
-                         f"{', '.join(ARCHS)} and DIMS in {', '.join(DIMS)} (e.g. qwen3-4L-512)")
+        raise ValueError(
+            f"unknown model {key!r}: one of {', '.join(MODELS)}, or ARCH-NL-DIMS with ARCH in "
+            f"{', '.join(ARCHS)} and DIMS in {', '.join(DIMS)} (e.g. qwen3-4L-512)"
+        )
     config_name, model_name, extra = ARCHS[arch]
     widths = dict(DIMS[dims])
     if arch == "phi3":
         widths.pop("head_dim")  # Phi-3 derives it
-    cfg = getattr(transformers, config_name)(num_hidden_layers=int(layers), max_position_embeddings=4096,
-                                             pad_token_id=0, bos_token_id=1, eos_token_id=2, **widths, **extra)
+    cfg = getattr(transformers, config_name)(
+        num_hidden_layers=int(layers),
+        max_position_embeddings=4096,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **widths,
+        **extra,
+    )
     return cfg, getattr(transformers, model_name), arch, int(layers)
 
 
-VARIANTS = ("eager", "eager-static", "compile-default", "hf-static-reduce-overhead", "piecewise-dynamic",
-            "piecewise-static", "piecewise-compile-config", "piecewise-static-second-call")
+VARIANTS = (
+    "eager",
+    "eager-static",
+    "compile-default",
+    "hf-static-reduce-overhead",
+    "piecewise-dynamic",
+    "piecewise-static",
+    "piecewise-compile-config",
+    "piecewise-static-second-call",
+)
 # A user's second generate() with a new max_new_tokens: transformers makes a new static cache, at new
 # addresses and of a new length (Dynamo compiles again, with the length a symbol). Timed once, after
 # one generate() of a quarter of the tokens (record.py files its rows under "hf_second_call").
@@ -152,12 +196,18 @@ def run(model, ids, tokens: int, kwargs: dict) -> tuple[torch.Tensor, float]:
     stamps = StepStamps()
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False,
-                             logits_processor=transformers.LogitsProcessorList([stamps]), **kwargs)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=tokens,
+            do_sample=False,
+            logits_processor=transformers.LogitsProcessorList([stamps]),
+            **kwargs,
+        )
     if out.is_cuda:
         torch.cuda.synchronize()
     steps = stamps.times
-    return out[:, ids.shape[1]:], (steps[-1] - steps[1]) * 1e3 / (len(steps) - 2)
+    return out[:, ids.shape[1] :], (steps[-1] - steps[1]) * 1e3 / (len(steps) - 2)
 
 
 def measure(model, ids, tokens: int, kwargs: dict, second_call: bool = False) -> tuple[torch.Tensor, float, dict]:
@@ -195,17 +245,32 @@ def piecewise_facts(calls_before: dict | None = None) -> dict:
         return {}
     before = calls_before or {}
     busiest = max(graphs, key=lambda g: g.stats.calls - before.get(g.serial, 0))
-    return {"graphs": len(graphs), "decode_pieces": busiest.stats.num_pieces,
-            "decode_compute_pieces": busiest.stats.num_compute_pieces, "replays": busiest.stats.replays,
-            "captures": busiest.stats.captures, "ungraphed_runs": busiest.stats.ungraphed_runs,
-            "attention": [how for _, how in busiest.plan.report.attention][:1],
-            "shape_key": [str(s) for s in busiest.plan.key.symbols],
-            "misses": {str(miss): busiest.stats.miss_details.get(miss, "")[:300]
-                       for miss, n in busiest.stats.misses.items() if n}}
+    return {
+        "graphs": len(graphs),
+        "decode_pieces": busiest.stats.num_pieces,
+        "decode_compute_pieces": busiest.stats.num_compute_pieces,
+        "replays": busiest.stats.replays,
+        "captures": busiest.stats.captures,
+        "ungraphed_runs": busiest.stats.ungraphed_runs,
+        "attention": [how for _, how in busiest.plan.report.attention][:1],
+        "shape_key": [str(s) for s in busiest.plan.key.symbols],
+        "misses": {
+            str(miss): busiest.stats.miss_details.get(miss, "")[:300] for miss, n in busiest.stats.misses.items() if n
+        },
+    }
 
 
-def bench_model(key: str, batches, tokens: int, variants, rows: list, save, device: str, rounds: int = 1,
-                dtype: torch.dtype = torch.float32) -> None:
+def bench_model(
+    key: str,
+    batches,
+    tokens: int,
+    variants,
+    rows: list,
+    save,
+    device: str,
+    rounds: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     model = build_model(key, device, dtype)
     eager_forward = model.forward
     g = torch.Generator().manual_seed(0)
@@ -233,9 +298,16 @@ def bench_model(key: str, batches, tokens: int, variants, rows: list, save, devi
 
 def _new_row(key: str, model, kwargs: dict, batch: int, variant: str, tokens: int, rounds: int) -> dict:
     _, _, name, layers = model_config(key)
-    row = {"model": name, "layers": layers, "params": sum(p.numel() for p in model.parameters()),
-           "cache": "static" if "static" in kwargs.get("cache_implementation", "") else "dynamic",
-           "batch": batch, "variant": variant, "tokens": tokens, "dtype": str(model.dtype).removeprefix("torch.")}
+    row = {
+        "model": name,
+        "layers": layers,
+        "params": sum(p.numel() for p in model.parameters()),
+        "cache": "static" if "static" in kwargs.get("cache_implementation", "") else "dynamic",
+        "batch": batch,
+        "variant": variant,
+        "tokens": tokens,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
     if rounds > 1:
         row["rounds"] = "interleaved"
     return row
@@ -279,15 +351,28 @@ def main() -> None:
     if "eager" not in args.variants:
         args.variants = ["eager", *args.variants]
     rows: list = []
-    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "code_hash": code_hash()}
+    meta = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+        "code_hash": code_hash(),
+    }
 
     def save():
         pathlib.Path(args.out).write_text(json.dumps({**meta, "hf": rows}, indent=1) + "\n")
 
     for key in args.models:
-        bench_model(key, args.batches, args.tokens, args.variants, rows, save, args.device, args.rounds,
-                    getattr(torch, args.dtype))
+        bench_model(
+            key,
+            args.batches,
+            args.tokens,
+            args.variants,
+            rows,
+            save,
+            args.device,
+            args.rounds,
+            getattr(torch, args.dtype),
+        )
 
 
 if __name__ == "__main__":

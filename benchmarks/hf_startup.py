@@ -1,8 +1,8 @@
 """A Hugging Face model's first ``generate()`` calls through the backend: cold, warm, at a new batch
 size and at a new length.
 
-    python benchmarks/hf_startup.py --out startup.json [--models qwen3-28L-1.5b] [--caches dynamic static]
-    python benchmarks/hf_startup.py --out /tmp/s.json --device cpu --models tiny --dtype float32   # smoke test
+    python -m benchmarks.hf_startup --out startup.json [--models qwen3-28L-1.5b] [--caches dynamic static]
+    python -m benchmarks.hf_startup --out /tmp/s.json --device cpu --models tiny --dtype float32   # smoke test
 
 What a server feels: how long before the first tokens, and whether a request of a new shape stalls.
 Per model (``hf_generate.py``'s keys) and cache, one child process each (own timeout), after the
@@ -40,22 +40,29 @@ import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import hf_generate  # noqa: E402  (its model keys and builder)
-from child_rows import child_row, report  # noqa: E402
+from benchmarks import hf_generate  # (its model keys and builder)
+from benchmarks.child_rows import child_row, report
 
 MAX_CACHE = 256  # the static cache's length: no generate() below outgrows it
 START = ((1, 4), (2, 4))  # (batch, new tokens) of the start-up generate() calls
 NEW_BATCH, NEW_LENGTH = (4, 16), (4, 48)
 
 
-def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dtype, after_start: bool,
-                specialize_float: bool = False) -> dict:
+def first_calls(
+    key: str,
+    cache: str,
+    backend: str,
+    device: str,
+    dtype: torch.dtype,
+    after_start: bool,
+    specialize_float: bool = False,
+) -> dict:
     """Build ``key``, compile its forward with ``backend`` ("piecewise" or "inductor"), time the
     start-up calls and, ``after_start``, the first call at a new batch size and at a new length.
     ``specialize_float``: Dynamo keeps Python floats constants (the README's advice with ``dynamic=True``)."""
-    import piecewise_backend
     from torch._dynamo.utils import counters
+
+    import piecewise_backend
 
     if specialize_float:  # else torch's default, whatever it is
         torch._dynamo.config.specialize_float = True
@@ -63,8 +70,13 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     model = hf_generate.build_model(key, device, dtype)
     model.generation_config.disable_compile = True  # transformers' own compile of the static cache: not this
     dynamic = True if cache == "dynamic" else None
-    options = {"backend": "piecewise"} if backend == "piecewise" else \
-        {"backend": "piecewise", "options": {"compiler": "eager"}} if backend == "piecewise-eager" else {}
+    options = (
+        {"backend": "piecewise"}
+        if backend == "piecewise"
+        else {"backend": "piecewise", "options": {"compiler": "eager"}}
+        if backend == "piecewise-eager"
+        else {}
+    )
     model.forward = torch.compile(model.forward, dynamic=dynamic, **options)
     kwargs = {"cache_implementation": "static", "max_cache_len": MAX_CACHE} if cache == "static" else {}
     g = torch.Generator().manual_seed(0)
@@ -90,10 +102,12 @@ def first_calls(key: str, cache: str, backend: str, device: str, dtype: torch.dt
     if backend.startswith("piecewise"):
         stats = piecewise_backend.process_stats()
         graphs = piecewise_backend.compiled_graphs()
-        row.update(capture_s=round(stats["capture_seconds"], 2),
-                   backend_build_s=round(sum(g.stats.build_seconds for g in graphs), 2),
-                   backend_inductor_s=round(sum(g.stats.inductor_seconds for g in graphs), 2),
-                   inductor_compiles=sum(g.stats.inductor_compiles for g in graphs))
+        row.update(
+            capture_s=round(stats["capture_seconds"], 2),
+            backend_build_s=round(sum(g.stats.build_seconds for g in graphs), 2),
+            backend_inductor_s=round(sum(g.stats.inductor_seconds for g in graphs), 2),
+            inductor_compiles=sum(g.stats.inductor_compiles for g in graphs),
+        )
     return row
 
 
@@ -110,22 +124,40 @@ def compile_totals() -> dict:
     def total(name: str) -> float:
         return sum(metrics.get(name, ()))  # timer names as on torch 2.11-2.13
 
-    return {"dynamo_frames": counters["stats"]["unique_graphs"],
-            "dynamo_traces": len(metrics.get("bytecode_tracing", ())),
-            "dynamo_compile_s": total("_compile.compile_inner"),
-            "backend_call_s": total("OutputGraph.call_user_compiler")}
+    return {
+        "dynamo_frames": counters["stats"]["unique_graphs"],
+        "dynamo_traces": len(metrics.get("bytecode_tracing", ())),
+        "dynamo_compile_s": total("_compile.compile_inner"),
+        "backend_call_s": total("OutputGraph.call_user_compiler"),
+    }
 
 
 def _child(args, key: str, cache: str, backend: str, after_start: bool, caches: str) -> dict:
-    cmd = [sys.executable, __file__, "--out", "-", "--device", args.device, "--dtype", args.dtype,
-           "--child", json.dumps([key, cache, backend, after_start, args.specialize_float])]
+    cmd = [
+        sys.executable,
+        "-m",
+        __spec__.name,
+        "--out",
+        "-",
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--child",
+        json.dumps([key, cache, backend, after_start, args.specialize_float]),
+    ]
     return child_row(cmd, args.child_timeout, caches)
 
 
 def startup_row(args, key: str, cache: str) -> dict:
     _, _, name, layers = hf_generate.model_config(key)
-    row: dict = {"model": name, "layers": layers, "cache": cache, "dtype": args.dtype,
-                 "specialize_float": args.specialize_float}
+    row: dict = {
+        "model": name,
+        "layers": layers,
+        "cache": cache,
+        "dtype": args.dtype,
+        "specialize_float": args.specialize_float,
+    }
     with tempfile.TemporaryDirectory() as caches:
         cold = _child(args, key, cache, "piecewise", False, caches)
         warm = _child(args, key, cache, "piecewise", True, caches)
@@ -137,16 +169,29 @@ def startup_row(args, key: str, cache: str) -> dict:
             inductor = _child(args, key, cache, "inductor", False, caches)
     parts = (("cold", cold), ("warm", warm), ("no_inductor", no_inductor), ("inductor", inductor))
     errors = {part: r["error"] for part, r in parts if "error" in r}
-    row.update(cold_s=cold.get("start_s"), warm_s=warm.get("start_s"), new_batch_s=warm.get("new_batch_s"),
-               new_length_s=warm.get("new_length_s"), inductor_cold_s=inductor.get("start_s"),
-               compiles_after_start=warm.get("compiles_after_start"), capture_s=warm.get("capture_s"),
-               backend_build_s_warm=warm.get("backend_build_s"), backend_build_s_cold=cold.get("backend_build_s"),
-               backend_inductor_s_warm=warm.get("backend_inductor_s"), backend_inductor_s_cold=cold.get("backend_inductor_s"),
-               inductor_compiles=cold.get("inductor_compiles"), no_inductor_cold_s=no_inductor.get("start_s"),
-               backend_build_s_no_inductor=no_inductor.get("backend_build_s"))
+    row.update(
+        cold_s=cold.get("start_s"),
+        warm_s=warm.get("start_s"),
+        new_batch_s=warm.get("new_batch_s"),
+        new_length_s=warm.get("new_length_s"),
+        inductor_cold_s=inductor.get("start_s"),
+        compiles_after_start=warm.get("compiles_after_start"),
+        capture_s=warm.get("capture_s"),
+        backend_build_s_warm=warm.get("backend_build_s"),
+        backend_build_s_cold=cold.get("backend_build_s"),
+        backend_inductor_s_warm=warm.get("backend_inductor_s"),
+        backend_inductor_s_cold=cold.get("backend_inductor_s"),
+        inductor_compiles=cold.get("inductor_compiles"),
+        no_inductor_cold_s=no_inductor.get("start_s"),
+        backend_build_s_no_inductor=no_inductor.get("backend_build_s"),
+    )
     for part, r in parts:  # where each start's time went
-        row.update({f"{name}_{part}": r.get(name)
-                    for name in ("dynamo_frames", "dynamo_traces", "dynamo_compile_s", "backend_call_s")})
+        row.update(
+            {
+                f"{name}_{part}": r.get(name)
+                for name in ("dynamo_frames", "dynamo_traces", "dynamo_compile_s", "backend_call_s")
+            }
+        )
     if errors:
         row["errors"] = errors
     return row
@@ -160,10 +205,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--child-timeout", type=int, default=240)
-    parser.add_argument("--specialize-float", action="store_true",
-                        help="torch._dynamo.config.specialize_float=True in every start (Inductor's too)")
-    parser.add_argument("--skip-inductor", action="store_true",
-                        help="leave Inductor's cold start out (inductor_cold_s null; e.g. when it is known to time out)")
+    parser.add_argument(
+        "--specialize-float",
+        action="store_true",
+        help="torch._dynamo.config.specialize_float=True in every start (Inductor's too)",
+    )
+    parser.add_argument(
+        "--skip-inductor",
+        action="store_true",
+        help="leave Inductor's cold start out (inductor_cold_s null; e.g. when it is known to time out)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # [key, cache, backend, after_start, specialize_float]
     args = parser.parse_args()
     if args.child:

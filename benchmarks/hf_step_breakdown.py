@@ -1,7 +1,7 @@
 """Where a Hugging Face decode step's time goes: ``generate()``'s own work, the forward's host path,
 the forward's GPU time; eager beside this backend.
 
-    python benchmarks/hf_step_breakdown.py --out step.json [--models qwen3-4L-512] [--cache static]
+    python -m benchmarks.hf_step_breakdown --out step.json [--models qwen3-4L-512] [--cache static]
         [--batches 1 4] [--tokens 48] [--dtype bfloat16] [--profile]
 
 Why: a shallow model (4 layers) can be slower through a compiled forward than eagerly although its
@@ -29,16 +29,14 @@ import contextlib
 import json
 import pathlib
 import statistics
-import sys
 import time
 import warnings
 
 import torch
 import transformers
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import hf_generate  # noqa: E402  (models, the per-token clock)
-from record import code_hash  # noqa: E402
+from benchmarks import hf_generate  # (models, the per-token clock)
+from benchmarks.record import code_hash
 
 VARIANTS = ("eager", "piecewise", "piecewise+skip-guard-eval")
 
@@ -93,12 +91,22 @@ def breakdown(key: str, cache: str, batches, tokens: int, dtype, device: str, pr
     for variant in VARIANTS:
         torch._dynamo.reset()
         forward = eager_forward if variant == "eager" else torch.compile(eager_forward, backend="piecewise")
-        stance = torch.compiler.set_stance(skip_guard_eval_unsafe=True) if variant.endswith("skip-guard-eval") \
+        stance = (
+            torch.compiler.set_stance(skip_guard_eval_unsafe=True)
+            if variant.endswith("skip-guard-eval")
             else contextlib.nullcontext()
+        )
         for batch in batches:
             ids = torch.randint(3, model.config.vocab_size, (batch, hf_generate.PROMPT), generator=g).to(device)
-            row = {"model": name, "layers": layers, "cache": cache, "batch": batch, "variant": variant,
-                   "dtype": str(dtype).removeprefix("torch."), "tokens": tokens}
+            row = {
+                "model": name,
+                "layers": layers,
+                "cache": cache,
+                "batch": batch,
+                "variant": variant,
+                "dtype": str(dtype).removeprefix("torch."),
+                "tokens": tokens,
+            }
             try:
                 model.forward = forward
                 for _ in range(2):  # compiles and captures (a reused static cache's prefill compiles anew)
@@ -108,8 +116,11 @@ def breakdown(key: str, cache: str, batches, tokens: int, dtype, device: str, pr
                     model.forward = host
                     ms = min(hf_generate.run(model, ids, tokens, kwargs)[1] for _ in range(2))
                     forward_host = statistics.median(host.host_us)
-                    row.update(ms_per_token=round(ms, 3), forward_host_us=round(forward_host, 1),
-                               rest_us=round(ms * 1e3 - forward_host, 1))
+                    row.update(
+                        ms_per_token=round(ms, 3),
+                        forward_host_us=round(forward_host, 1),
+                        rest_us=round(ms * 1e3 - forward_host, 1),
+                    )
                     if device == "cuda":  # a run of its own: the events' cost stays out of the times above
                         gpu = ForwardClock(forward, events=True)
                         model.forward = gpu
@@ -139,11 +150,21 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for key in args.models:
-        rows += breakdown(key, args.cache, args.batches, args.tokens, getattr(torch, args.dtype), args.device,
-                          args.profile)
-        pathlib.Path(args.out).write_text(json.dumps({"code_hash": code_hash(), "torch": torch.__version__,
-                                                      "transformers": transformers.__version__,
-                                                      "hf_step_breakdown": rows}, indent=1) + "\n")
+        rows += breakdown(
+            key, args.cache, args.batches, args.tokens, getattr(torch, args.dtype), args.device, args.profile
+        )
+        pathlib.Path(args.out).write_text(
+            json.dumps(
+                {
+                    "code_hash": code_hash(),
+                    "torch": torch.__version__,
+                    "transformers": transformers.__version__,
+                    "hf_step_breakdown": rows,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import json
 import os
 import pathlib
 import shutil
-import sys
 import tempfile
 import time
 
@@ -35,12 +34,8 @@ import torch.distributed as dist
 import transformers
 
 import piecewise_backend
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import hf_generate  # noqa: E402
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from toys.parallel import MULTICAST_OFF  # noqa: E402
+from benchmarks import hf_generate
+from toys.parallel import MULTICAST_OFF
 
 
 def _shared_folder(device: str) -> str:
@@ -63,7 +58,9 @@ def _save_random_model(key: str, folder: str) -> int:
 
 
 def _load(folder: str, dtype: torch.dtype, device: str, tp: bool):
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **({"tp_plan": "auto"} if tp else {}))
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, **({"tp_plan": "auto"} if tp else {})
+    )
     model = (model if tp else model.to(device)).eval()
     model.generation_config.eos_token_id = None  # exactly --tokens tokens
     model.generation_config.pad_token_id = 0
@@ -89,12 +86,19 @@ def main() -> None:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
-    parser.add_argument("--variants", nargs="+", default=["eager", "compile-default", "piecewise-static",
-                                                          "piecewise-dynamic"])
-    parser.add_argument("--agreement-from", help="an fp32 run's JSON: its token_agreement per variant and batch "
-                                                 "becomes these rows' (theirs kept as token_agreement_<dtype>)")
-    parser.add_argument("--emulate", action="store_true",
-                        help="on CPU: capture and replay emulated graphs (piecewise_backend.emulated_graphs)")
+    parser.add_argument(
+        "--variants", nargs="+", default=["eager", "compile-default", "piecewise-static", "piecewise-dynamic"]
+    )
+    parser.add_argument(
+        "--agreement-from",
+        help="an fp32 run's JSON: its token_agreement per variant and batch "
+        "becomes these rows' (theirs kept as token_agreement_<dtype>)",
+    )
+    parser.add_argument(
+        "--emulate",
+        action="store_true",
+        help="on CPU: capture and replay emulated graphs (piecewise_backend.emulated_graphs)",
+    )
     args = parser.parse_args()
     for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
@@ -120,21 +124,40 @@ def main() -> None:
         eager_forward = model.forward
         rows, eager_ms = [], {}
         checked = _fp32_rows(args.agreement_from) if rank == 0 and args.agreement_from else None
-        base = {"model": name, "layers": layers, "params": params, "world": world, "dtype": args.dtype,
-                "tokens": args.tokens, "device": device}
+        base = {
+            "model": name,
+            "layers": layers,
+            "params": params,
+            "world": world,
+            "dtype": args.dtype,
+            "tokens": args.tokens,
+            "device": device,
+        }
         with piecewise_backend.emulated_graphs(args.emulate and device == "cpu"):  # compiled and first called in it
             for variant in args.variants:
                 kwargs = hf_generate.prepare(variant, model, eager_forward)
                 for batch, ids in prompts.items():
-                    rows.append(_row({**base, "batch": batch, "variant": variant}, model, ids, kwargs,
-                                     reference.get(batch), eager_ms))
+                    rows.append(
+                        _row(
+                            {**base, "batch": batch, "variant": variant},
+                            model,
+                            ids,
+                            kwargs,
+                            reference.get(batch),
+                            eager_ms,
+                        )
+                    )
                     if checked is not None:
                         _agreement_from(rows[-1], checked)
                     if rank == 0:
                         print(json.dumps(rows[-1]), flush=True)
-                        pathlib.Path(args.out).write_text(json.dumps(
-                            {"hf": rows, "torch": torch.__version__, "transformers": transformers.__version__},
-                            indent=1) + "\n")
+                        pathlib.Path(args.out).write_text(
+                            json.dumps(
+                                {"hf": rows, "torch": torch.__version__, "transformers": transformers.__version__},
+                                indent=1,
+                            )
+                            + "\n"
+                        )
     finally:
         piecewise_backend.release_graphs()  # NCCL waits for graphs holding its collectives
         dist.destroy_process_group()

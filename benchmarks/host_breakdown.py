@@ -1,6 +1,6 @@
 """Where the *host* time of one piecewise decode step goes, and what single host operations cost.
 
-    python benchmarks/host_breakdown.py [--model 16L --batch 8 --steps 50] [--eager-attention] [--json out.json]
+    python -m benchmarks.host_breakdown [--model 16L --batch 8 --steps 50] [--eager-attention] [--json out.json]
 
 ``--model`` takes the suite's idiom models too (``16L-whole-cache``).
 
@@ -26,15 +26,14 @@ import time
 
 import torch
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 import piecewise_backend
+from benchmarks.suite_models import IDIOMS, MODELS, next_ids, toy_model
+from benchmarks.timing import timed
 from piecewise_backend import emulated_graphs
 from piecewise_backend.runtime.devices import synchronize
 from piecewise_backend.runtime.piece_runner import PieceRunner
 from piecewise_backend.split.splitting import COMPUTE
-from timing import timed
 from toys.models import ToyConfig, reset_caches, sdpa_backends
-from suite_models import IDIOMS, MODELS, next_ids, toy_model
 
 
 class _Clock:
@@ -53,6 +52,7 @@ class _Clock:
                 return fn(*args)
             finally:
                 seconds[label] += time.perf_counter() - start
+
         return timed
 
 
@@ -114,13 +114,22 @@ def step_breakdown(args, device: str) -> dict:
     per_step["whole call (enqueue, no sync)"] = round(sum(enqueue) / n * 1e6, 1)
     per_step["whole call + sync (median)"] = round(statistics.median(synced) * 1e6, 1)
     per_step["Dynamo entry (whole call - inside graph)"] = round(
-        per_step["whole call (enqueue, no sync)"] - per_step["inside the compiled graph"], 1)
+        per_step["whole call (enqueue, no sync)"] - per_step["inside the compiled graph"], 1
+    )
     per_step["glue (inside graph - runners - eager)"] = round(
-        per_step["inside the compiled graph"] - per_step["runners (incl. replay)"] - per_step["eager pieces"], 1)
-    return {"model": args.model, "batch": args.batch, "device": device, "skip_guards": args.skip_guards,
-            "graph_attention": not args.eager_attention, "pieces": graph.stats.num_pieces,
-            "replays_gpu_ms": replays_gpu_ms,
-            "graph_inputs": len(graph.plan.inputs.specs), "us_per_step": per_step}
+        per_step["inside the compiled graph"] - per_step["runners (incl. replay)"] - per_step["eager pieces"], 1
+    )
+    return {
+        "model": args.model,
+        "batch": args.batch,
+        "device": device,
+        "skip_guards": args.skip_guards,
+        "graph_attention": not args.eager_attention,
+        "pieces": graph.stats.num_pieces,
+        "replays_gpu_ms": replays_gpu_ms,
+        "graph_inputs": len(graph.plan.inputs.specs),
+        "us_per_step": per_step,
+    }
 
 
 def _replays_gpu_ms(graph, repeats: int = 20) -> float:
@@ -133,6 +142,7 @@ def _replays_gpu_ms(graph, repeats: int = 20) -> float:
     def replay_all() -> None:
         for cuda_graph in graphs:
             cuda_graph.replay()
+
     return round(statistics.median(timed(replay_all, "cuda")[1] for _ in range(repeats)), 4)
 
 
@@ -157,15 +167,18 @@ def op_costs(args, device: str) -> dict:
     costs = {}
 
     def write():
-        cache[:b, :, pos:pos + 1] = k
+        cache[:b, :, pos : pos + 1] = k
 
     costs["kv slice write (setitem)"] = _per_call_us(write)
-    costs["kv prefix view (getitem)"] = _per_call_us(lambda: cache[:b, :, :pos + 1])
-    keys = cache[:b, :, :pos + 1]
+    costs["kv prefix view (getitem)"] = _per_call_us(lambda: cache[:b, :, : pos + 1])
+    keys = cache[:b, :, : pos + 1]
     with sdpa_backends(device):  # pinned, as the row's name says
         costs["sdpa (flash/efficient)"] = _per_call_us(
-            lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
-    costs["sdpa (torch default)"] = _per_call_us(lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys))
+            lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys)
+        )
+    costs["sdpa (torch default)"] = _per_call_us(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, keys, keys)
+    )
     costs["data_ptr()"] = _per_call_us(lambda: k.data_ptr(), 20000)
     costs.update(weights_check_costs(device, dtype))
     costs["copy_ (small)"] = _per_call_us(lambda: q.copy_(k))
@@ -196,8 +209,9 @@ def weights_check_costs(device: str, dtype: torch.dtype, count: int = 151) -> di
     indices = list(range(1, count + 1))
     getter, data_ptr = operator.itemgetter(*indices), torch.Tensor.data_ptr
     active = tuple(map(data_ptr, getter(args)))
-    costs = {f"weights check, Python tuple ({count})": _per_call_us(
-        lambda: tuple(map(data_ptr, getter(args))) == active)}
+    costs = {
+        f"weights check, Python tuple ({count})": _per_call_us(lambda: tuple(map(data_ptr, getter(args))) == active)
+    }
     check = data_ptrs_check()
     if check is not None:
         ptrs = [None, *active]
@@ -211,10 +225,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--skip-guards", action="store_true",
-                        help="measure under torch.compiler.set_stance(skip_guard_eval_unsafe=True)")
-    parser.add_argument("--eager-attention", action="store_true",
-                        help="compile with graph_attention=False (decode attention eager between the pieces)")
+    parser.add_argument(
+        "--skip-guards",
+        action="store_true",
+        help="measure under torch.compiler.set_stance(skip_guard_eval_unsafe=True)",
+    )
+    parser.add_argument(
+        "--eager-attention",
+        action="store_true",
+        help="compile with graph_attention=False (decode attention eager between the pieces)",
+    )
     parser.add_argument("--json")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -10,8 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 
-from timing import host_probe_us
-
+from benchmarks.timing import host_probe_us
 
 # a round met the host at full speed when its probe took at most this times the fastest probe
 # (the process's, or its rows' own: ``fast_host_times``; the slow spells are ~3×: ``timing.host_probe_us``)

@@ -1,7 +1,7 @@
 """Hybrid attention models through Hugging Face ``generate()``: eager's tokens, and the share of decode
 calls the backend's graphs served (CPU with emulated graphs, or CUDA).
 
-    python benchmarks/hybrid_check.py --out hybrid.json [--device cpu] [--layers 6] [--window 512]
+    python -m benchmarks.hybrid_check --out hybrid.json [--device cpu] [--layers 6] [--window 512]
 
 Gemma 3, OLMo 3, EXAONE 4 and Cohere 2 alternate sliding-window and full-attention layers (their
 configurations' own patterns; Gemma 3's five sliding to one full), from small random configurations,
@@ -20,7 +20,6 @@ import warnings
 import torch
 import transformers
 
-import _checkout  # noqa: F401  (the repository root on sys.path)
 import piecewise_backend
 
 ARCHS = {  # config class, model class, what the configuration needs besides the common sizes
@@ -35,8 +34,17 @@ PROMPT = 11
 def build(arch: str, layers: int, window: int, device: str):
     config_name, model_name, extra = ARCHS[arch]
     config = getattr(transformers, config_name)(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, sliding_window=window, pad_token_id=0, **extra)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        sliding_window=window,
+        pad_token_id=0,
+        **extra,
+    )
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(config).to(device).eval()
     model.generation_config.eos_token_id = None  # every call makes all its tokens
@@ -60,17 +68,29 @@ def check(arch: str, cache: str, layers: int, window: int, tokens: int, device: 
             model.forward = forward
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                outs.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens,
-                                           do_sample=False, **kwargs))
+                outs.append(
+                    model.generate(
+                        ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, do_sample=False, **kwargs
+                    )
+                )
         same &= torch.equal(*outs)
     graphs = [g for g in piecewise_backend.compiled_graphs() if g.serial not in known]
     served = sum(sum(g.stats.graph_calls.values()) for g in graphs)
     decode_calls = len(batches) * (tokens - 1)
-    return {"arch": arch, "cache": cache, "layers": layers, "window": window, "layer_types": model.config.layer_types,
-            "tokens": tokens, "same_tokens": same, "decode_calls": decode_calls,
-            "decode_share_graphed": round((served - len(batches)) / decode_calls, 3),  # less a prefill per call
-            "graphs": len(graphs), "captures": sum(g.stats.captures for g in graphs),
-            "misses": {str(m): n for g in graphs for m, n in g.stats.misses.items() if n}}
+    return {
+        "arch": arch,
+        "cache": cache,
+        "layers": layers,
+        "window": window,
+        "layer_types": model.config.layer_types,
+        "tokens": tokens,
+        "same_tokens": same,
+        "decode_calls": decode_calls,
+        "decode_share_graphed": round((served - len(batches)) / decode_calls, 3),  # less a prefill per call
+        "graphs": len(graphs),
+        "captures": sum(g.stats.captures for g in graphs),
+        "misses": {str(m): n for g in graphs for m, n in g.stats.misses.items() if n},
+    }
 
 
 def main() -> None:
@@ -90,8 +110,11 @@ def main() -> None:
             for cache in args.caches:
                 rows.append(check(arch, cache, args.layers, args.window, args.tokens, args.device, args.compiler))
                 print(json.dumps(rows[-1]), flush=True)
-                pathlib.Path(args.out).write_text(json.dumps({"transformers": transformers.__version__,
-                                                              "torch": torch.__version__, "hybrid": rows}, indent=1))
+                pathlib.Path(args.out).write_text(
+                    json.dumps(
+                        {"transformers": transformers.__version__, "torch": torch.__version__, "hybrid": rows}, indent=1
+                    )
+                )
 
 
 if __name__ == "__main__":

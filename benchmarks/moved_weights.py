@@ -6,7 +6,7 @@ toy Llama in one process, a decode step replayed from graphs, the first step aft
 are loaded (it captures), and a step run un-graphed (a second compile with ``max_weight_sets=1``),
 so the break-even (re-capture cost over the per-step saving) is a measured number.
 
-    python benchmarks/moved_weights.py --out moved_weights.json
+    python -m benchmarks.moved_weights --out moved_weights.json
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from pathlib import Path
 
 import torch
 
-import _checkout  # noqa: F401,E402  (the checkout's toys/ on sys.path)
-from timing import timed  # noqa: E402
-from toys.models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches  # noqa: E402
+from benchmarks.timing import timed
+from toys.models import ToyConfig, ToyLlama, init_weights_, next_tokens, reset_caches
 
 SIZE = dict(vocab=32000, hidden=1024, layers=8, heads=16, intermediate=2816)
 
@@ -54,11 +53,11 @@ def measure(device: str, batch: int, steps: int, size: dict = SIZE) -> dict:
         _new_weights(model)
         after, _ = _steps(compiled, ids, 64 + steps, steps, device)
         if variant == "recapture":
-            out["replay_ms"] = statistics.median(replayed[steps // 2:])
+            out["replay_ms"] = statistics.median(replayed[steps // 2 :])
             out["first_step_after_new_weights_ms"] = after[0]
-            out["replay_after_new_weights_ms"] = statistics.median(after[steps // 2:])
+            out["replay_after_new_weights_ms"] = statistics.median(after[steps // 2 :])
         else:
-            out["ungraphed_ms"] = statistics.median(after[steps // 2:])
+            out["ungraphed_ms"] = statistics.median(after[steps // 2 :])
     saving = out["ungraphed_ms"] - out["replay_after_new_weights_ms"]
     out["break_even_steps"] = round(out["first_step_after_new_weights_ms"] / saving, 1) if saving > 0 else None
     return out

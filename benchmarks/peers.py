@@ -56,8 +56,8 @@ class BreakableForward:
         start = time.perf_counter()
         ids_buf = torch.zeros(size, dtype=ids.dtype, device=ids.device)
         positions_buf = torch.zeros(size, dtype=positions.dtype, device=positions.device)
-        ids_buf[:ids.shape[0]].copy_(ids)
-        positions_buf[:positions.shape[0]].copy_(positions)
+        ids_buf[: ids.shape[0]].copy_(ids)
+        positions_buf[: positions.shape[0]].copy_(positions)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -1,7 +1,7 @@
 """Figure and ratio tables of a suite run: step time vs batch, one line per variant, log scale
 (and the host-at-full-speed and pipelined views below it, where rows have them).
 
-    python benchmarks/plot.py benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
+    python -m benchmarks.plot benchmarks/results/h200.json [--png benchmarks/results/h200_decode.png]
 
 Prints Markdown tables (one per view) of each variant's step time as a multiple of the limit (the
 whole step as one CUDA graph) measured in the same process where the row says so, as the README
@@ -14,11 +14,25 @@ import argparse
 import json
 import pathlib
 
-VARIANT_ORDER = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-eager-attention", "piecewise-kv-eager", "piecewise-graph-attention",
-                 "piecewise-skip-guards", "piecewise-no-clone", "piecewise-fast-call", "piecewise-full",
-                 "piecewise-full-skip-guards", "piecewise-full-static",
-                 "dynamo-floor", "limit", "limit-full")
+VARIANT_ORDER = (
+    "eager",
+    "inductor",
+    "reduce-overhead",
+    "reduce-overhead+partition",
+    "piecewise",
+    "piecewise-eager-attention",
+    "piecewise-kv-eager",
+    "piecewise-graph-attention",
+    "piecewise-skip-guards",
+    "piecewise-no-clone",
+    "piecewise-fast-call",
+    "piecewise-full",
+    "piecewise-full-skip-guards",
+    "piecewise-full-static",
+    "dynamo-floor",
+    "limit",
+    "limit-full",
+)
 
 
 PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT]) (suite.py)
@@ -26,7 +40,7 @@ PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIE
 
 def base_variant(variant: str) -> str:
     """The variant a ``+pinned-sdpa`` twin is of (a variant itself otherwise)."""
-    return variant[:-len(PINNED)] if variant.endswith(PINNED) else variant
+    return variant[: -len(PINNED)] if variant.endswith(PINNED) else variant
 
 
 def in_order(variants) -> list[str]:
@@ -43,8 +57,11 @@ def _color_index(variant: str, n: int) -> int:
 
 
 # the two views of a step, as the figure's rows of panels name them
-VIEW_TITLES = {"step_ms": "waiting for each step", "step_ms_fast_host": "waiting, host at full speed",
-               "pipelined_ms": "host running ahead"}
+VIEW_TITLES = {
+    "step_ms": "waiting for each step",
+    "step_ms_fast_host": "waiting, host at full speed",
+    "pipelined_ms": "host running ahead",
+}
 
 
 def plot(rows: list[dict], png: pathlib.Path) -> None:
@@ -60,21 +77,28 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
 
     models = sorted({r["model"] for r in rows})
     views = [f for f in VIEW_TITLES if any(r.get(f) for r in rows)]
-    fig, axes = plt.subplots(len(views), len(models), figsize=(6 * len(models) + 2, 4.5 * len(views)),
-                             squeeze=False, sharey="col")  # one scale per model: views compare by eye
+    fig, axes = plt.subplots(
+        len(views), len(models), figsize=(6 * len(models) + 2, 4.5 * len(views)), squeeze=False, sharey="col"
+    )  # one scale per model: views compare by eye
     colors = plt.get_cmap("tab20").colors  # one colour per variant in every panel
     legend: dict = {}
     for axes_row, field in zip(axes, views):
         for ax, model in zip(axes_row, models):
             for variant in in_order(r["variant"] for r in rows):
-                points = sorted((r["batch"], r[field]) for r in rows
-                                if r["model"] == model and r["variant"] == variant and r.get(field))
+                points = sorted(
+                    (r["batch"], r[field])
+                    for r in rows
+                    if r["model"] == model and r["variant"] == variant and r.get(field)
+                )
                 if points:
-                    (line,) = ax.plot(*zip(*points), marker="o", label=variant,
-                                      color=colors[_color_index(variant, len(colors))],
-                                      linewidth=2.5 if variant.startswith("piecewise") else 1.2,
-                                      linestyle="--" if variant.startswith("limit") else
-                                      ":" if variant.endswith(PINNED) else "-")
+                    (line,) = ax.plot(
+                        *zip(*points),
+                        marker="o",
+                        label=variant,
+                        color=colors[_color_index(variant, len(colors))],
+                        linewidth=2.5 if variant.startswith("piecewise") else 1.2,
+                        linestyle="--" if variant.startswith("limit") else ":" if variant.endswith(PINNED) else "-",
+                    )
                     legend.setdefault(variant, line)
             ax.set_xscale("log", base=2)
             batches = sorted({r["batch"] for r in rows if r["model"] == model})
@@ -85,16 +109,18 @@ def plot(rows: list[dict], png: pathlib.Path) -> None:
             ax.set_title(f"{model}: {VIEW_TITLES[field]}")
             ax.grid(True, which="both", alpha=0.3)
     ordered = in_order(legend)  # every variant of every panel, in one legend
-    axes[0][-1].legend([legend[v] for v in ordered], ordered, fontsize=8, loc="center left",
-                       bbox_to_anchor=(1.02, 0.5))
+    axes[0][-1].legend([legend[v] for v in ordered], ordered, fontsize=8, loc="center left", bbox_to_anchor=(1.02, 0.5))
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
 
 # a row's time field -> the field naming the limit's time in the row's own process (written by
 # suite._mark_process, read by vs_limit)
-SAME_PROCESS_LIMIT = {"step_ms": "limit_same_process_ms", "pipelined_ms": "limit_same_process_pipelined_ms",
-                      "step_ms_fast_host": "limit_same_process_fast_host_ms"}
+SAME_PROCESS_LIMIT = {
+    "step_ms": "limit_same_process_ms",
+    "pipelined_ms": "limit_same_process_pipelined_ms",
+    "step_ms_fast_host": "limit_same_process_fast_host_ms",
+}
 
 
 def limit_times(rows: list[dict], field: str = "step_ms") -> dict[tuple, float]:
@@ -135,8 +161,7 @@ def ratio_table(rows: list[dict], field: str = "step_ms") -> str:
     """Markdown: per variant and (model, batch), ``field`` as a multiple of the limit's."""
     limits = limit_times(rows, field)
     keys = sorted({(r["model"], r["batch"]) for r in rows})
-    lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |",
-             "| --- |" + " ---: |" * len(keys)]
+    lines = ["| variant | " + " | ".join(f"{m} b{b}" for m, b in keys) + " |", "| --- |" + " ---: |" * len(keys)]
     measured = {r["variant"] for r in rows if r.get(field) or r.get("error")}
     for variant in in_order(measured):  # no line of empty cells
         cells = []

@@ -1,7 +1,7 @@
 """Where the backend's own build time goes on a Hugging Face model's first ``generate()``: a cProfile
 of :func:`piecewise_backend.backend.build` only (Dynamo's tracing left out).
 
-    python benchmarks/profile_build.py [--model qwen3-8L-1.5b] [--cache static] [--device cuda] [--top 40] [--save F]
+    python -m benchmarks.profile_build [--model qwen3-8L-1.5b] [--cache static] [--device cuda] [--top 40] [--save F]
 
 Prints the build time, its Inductor share and the backend's functions by cumulative time.
 """
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pathlib
 import pstats
-import sys
 import time
 import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import hf_generate  # noqa: E402
+from benchmarks import hf_generate
 
 
 def main() -> None:
@@ -36,8 +33,7 @@ def main() -> None:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     model = hf_generate.build_model(args.model, args.device, dtype)
     model.generation_config.disable_compile = True
-    model.forward = torch.compile(model.forward, backend="piecewise",
-                                  dynamic=True if args.cache == "dynamic" else None)
+    model.forward = torch.compile(model.forward, backend="piecewise", dynamic=True if args.cache == "dynamic" else None)
     kwargs = {"cache_implementation": "static", "max_cache_len": 256} if args.cache == "static" else {}
     profile, build = cProfile.Profile(), backend.build
 
@@ -56,9 +52,12 @@ def main() -> None:
         warnings.simplefilter("ignore")
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, **kwargs)
     graphs = piecewise_backend.compiled_graphs()
-    print(f"generate {time.perf_counter() - start:.2f} s; build {sum(g.stats.build_seconds for g in graphs):.2f} s, "
-          f"Inductor {sum(g.stats.inductor_seconds for g in graphs):.2f} s, "
-          f"{sum(g.stats.inductor_compiles for g in graphs)} compiles, {len(graphs)} graphs", flush=True)
+    print(
+        f"generate {time.perf_counter() - start:.2f} s; build {sum(g.stats.build_seconds for g in graphs):.2f} s, "
+        f"Inductor {sum(g.stats.inductor_seconds for g in graphs):.2f} s, "
+        f"{sum(g.stats.inductor_compiles for g in graphs)} compiles, {len(graphs)} graphs",
+        flush=True,
+    )
     if args.save:
         profile.dump_stats(args.save)
     stats = pstats.Stats(profile).sort_stats("cumulative")

@@ -1,6 +1,6 @@
 """Where a decode step's time goes: torch.profiler over a few steps of one variant.
 
-    python benchmarks/profile_step.py --variant piecewise [--model 16L --batch 8 --steps 6 --out prof/]
+    python -m benchmarks.profile_step --variant piecewise [--model 16L --batch 8 --steps 6 --out prof/]
 
 Prints the top ops by self host time and by device time, and the host time of the whole step vs
 its device time (a step is host-bound when the host time is the larger); with ``--out`` writes a
@@ -15,19 +15,29 @@ import os
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
+from benchmarks.plot import PINNED, base_variant
+from benchmarks.suite_models import MODELS, next_ids, toy_model
+from benchmarks.suite_variants import compiled_variant, sdpa_setting
 from piecewise_backend.runtime.devices import synchronize
 from toys.models import ToyLlama, ToyStaticCacheLlama, reset_caches
-from plot import PINNED, base_variant
-from suite_models import MODELS, next_ids, toy_model
-from suite_variants import compiled_variant, sdpa_setting
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variant", default="piecewise",
-                        choices=["eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                                 "piecewise-eager-attention", "piecewise-full", "piecewise-full-static"])
+    parser.add_argument(
+        "--variant",
+        default="piecewise",
+        choices=[
+            "eager",
+            "inductor",
+            "reduce-overhead",
+            "reduce-overhead+partition",
+            "piecewise",
+            "piecewise-eager-attention",
+            "piecewise-full",
+            "piecewise-full-static",
+        ],
+    )
     parser.add_argument("--model", default="16L", choices=sorted(MODELS))
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=256)
@@ -38,8 +48,13 @@ def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     variant = base_variant(args.variant)
     tensor_pos = variant == "piecewise-full-static"
-    model = toy_model(args.model, device, ToyStaticCacheLlama if tensor_pos else ToyLlama, max_batch=args.batch,
-                      max_seq=args.prompt + args.warmup + args.steps + 8)
+    model = toy_model(
+        args.model,
+        device,
+        ToyStaticCacheLlama if tensor_pos else ToyLlama,
+        max_batch=args.batch,
+        max_seq=args.prompt + args.warmup + args.steps + 8,
+    )
     cfg = model.cfg
     step = model if variant == "eager" else compiled_variant(variant, model, args.variant.endswith(PINNED))
 

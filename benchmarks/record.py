@@ -1,6 +1,6 @@
 """Merge a device run into benchmarks/results/<gpu>.json, stamped with the code hash.
 
-    python benchmarks/record.py [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
+    python -m benchmarks.record [--junit pytest.xml] [--suite suite.json] [--capture capture.json]
                                 [--host host.json] [--ab ab.json] [--fuzz fuzz.json]
                                 [--moved-weights moved_weights.json] [--hf hf.json] [--threads threads.json]
                                 --previous results/h200.json --out h200.json
@@ -25,7 +25,7 @@ import xml.etree.ElementTree as ET
 
 import torch
 
-from plot import ratios_to_limit
+from benchmarks.plot import ratios_to_limit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,8 +50,9 @@ def merge_rows(old: list[dict], new: list[dict], key: tuple, digest: str, old_de
     Old rows without a stamp carry ``old_default_hash`` (the file's code hash when they were written)."""
     new = [{**r, "code_hash": digest} for r in new]
     fresh = {tuple(r[k] for k in key) for r in new}
-    kept = [r for r in old if r.get("code_hash", old_default_hash) == digest
-            and tuple(r.get(k) for k in key) not in fresh]
+    kept = [
+        r for r in old if r.get("code_hash", old_default_hash) == digest and tuple(r.get(k) for k in key) not in fresh
+    ]
     return kept + new
 
 
@@ -96,9 +97,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit", nargs="+", help="pytest JUnit XML files (summed)")
     parser.add_argument("--tests-selection", help="with --junit: which tests ran, when not all (pytest's -m/-k)")
-    parser.add_argument("--tests-collected", type=int,
-                        help="with --junit: how many tests were meant to run; those without a result (a shard "
-                             "cut by its timeout) are recorded as not_run, and the part fails")
+    parser.add_argument(
+        "--tests-collected",
+        type=int,
+        help="with --junit: how many tests were meant to run; those without a result (a shard "
+        "cut by its timeout) are recorded as not_run, and the part fails",
+    )
     parser.add_argument("--capture")
     parser.add_argument("--suite")
     parser.add_argument("--host", help="host_breakdown.py's JSON")
@@ -125,8 +129,10 @@ def main() -> None:
     if torch.cuda.is_available():  # merging elsewhere must not relabel the device's results
         gpu = torch.cuda.get_device_name()
         if result.get("gpu", gpu) != gpu:
-            raise SystemExit(f"record.py: {prev} holds results of {result['gpu']}, this run is on {gpu}; "
-                             f"pass --previous benchmarks/results/{gpu_slug(gpu)}.json")
+            raise SystemExit(
+                f"record.py: {prev} holds results of {result['gpu']}, this run is on {gpu}; "
+                f"pass --previous benchmarks/results/{gpu_slug(gpu)}.json"
+            )
         result.update({"torch": torch.__version__, "gpu": gpu})
     given = (("tests", args.junit), ("suite", args.suite), ("host", args.host))
     drop_stale_notes(result, digest, {part for part, path in given if path})
@@ -134,17 +140,20 @@ def main() -> None:
         selection = {"selection": args.tests_selection} if args.tests_selection else {}
         result["tests"] = {**pytest_summary(args.junit), **selection, "code_hash": digest}
         if args.tests_collected is not None:
-            result["tests"]["not_run"] = max(0, args.tests_collected - sum(
-                result["tests"][k] for k in ("passed", "failed", "skipped")))
+            result["tests"]["not_run"] = max(
+                0, args.tests_collected - sum(result["tests"][k] for k in ("passed", "failed", "skipped"))
+            )
     if args.suite:
         suite = json.loads(pathlib.Path(args.suite).read_text())
         for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them
             result.pop(stale, None)
-        result["decode"] = merge_rows(result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest,
-                                      file_hash)
+        result["decode"] = merge_rows(
+            result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest, file_hash
+        )
         if "startup" in suite:
-            result["startup"] = merge_rows(result.get("startup", []), suite["startup"], ("model", "variant", "start"),
-                                           digest, file_hash)
+            result["startup"] = merge_rows(
+                result.get("startup", []), suite["startup"], ("model", "variant", "start"), digest, file_hash
+            )
         result["vs_limit"] = ratios_to_limit(result["decode"])
         result["code_hash"] = digest
     if args.host:
@@ -167,8 +176,10 @@ def main() -> None:
     if args.threads:
         result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}
     if args.serving:
-        rows = [{k: v for k, v in r.items() if k != "itl_over_time"}
-                for r in json.loads(pathlib.Path(args.serving).read_text())["serving"]]
+        rows = [
+            {k: v for k, v in r.items() if k != "itl_over_time"}
+            for r in json.loads(pathlib.Path(args.serving).read_text())["serving"]
+        ]
         if rows:
             result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
     if args.graph_memory:
@@ -177,15 +188,20 @@ def main() -> None:
     if args.hf_startup:
         rows = json.loads(pathlib.Path(args.hf_startup).read_text())["hf_startup"]
         unset = {"specialize_float": False}  # rows from before the option: torch's default
-        result["hf_startup"] = merge_rows([{**unset, **r} for r in result.get("hf_startup", [])],
-                                          [{**unset, **r} for r in rows],
-                                          ("model", "layers", "cache", "specialize_float"), digest)
+        result["hf_startup"] = merge_rows(
+            [{**unset, **r} for r in result.get("hf_startup", [])],
+            [{**unset, **r} for r in rows],
+            ("model", "layers", "cache", "specialize_float"),
+            digest,
+        )
     if args.seed_workload:
         seed = json.loads(pathlib.Path(args.seed_workload).read_text())
-        result["seed_workload"] = merge_rows(result.get("seed_workload", []), seed.get("seed_workload", []),
-                                             ("variant",), digest)
-        result["concurrency"] = merge_rows(result.get("concurrency", []), seed.get("concurrency", []),
-                                           ("variant", "in_flight"), digest)
+        result["seed_workload"] = merge_rows(
+            result.get("seed_workload", []), seed.get("seed_workload", []), ("variant",), digest
+        )
+        result["concurrency"] = merge_rows(
+            result.get("concurrency", []), seed.get("concurrency", []), ("variant", "in_flight"), digest
+        )
         result["seed_vllm"] = seed["seed_vllm"]
     if args.start_up:
         rows = json.loads(pathlib.Path(args.start_up).read_text())["startup"]

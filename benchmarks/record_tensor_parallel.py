@@ -1,6 +1,6 @@
 """Record a two-GPU run in benchmarks/results/h200x2_tensor_parallel.json, stamped with the code hash.
 
-    python benchmarks/record_tensor_parallel.py [--junit tp_pytest.xml] [--hf tp_bf16.json] \\
+    python -m benchmarks.record_tensor_parallel [--junit tp_pytest.xml] [--hf tp_bf16.json] \\
         --previous benchmarks/results/h200x2_tensor_parallel.json --out h200x2_tensor_parallel.json
 
 ``"pytest"``: tests/test_tensor_parallel.py (the two-GPU test with the gloo ones); ``"hf"``:
@@ -16,7 +16,7 @@ import pathlib
 
 import torch
 
-from record import code_hash, pytest_summary
+from benchmarks.record import code_hash, pytest_summary
 
 
 def main() -> None:
@@ -31,11 +31,16 @@ def main() -> None:
     result = json.loads(previous.read_text()) if previous.exists() else {}
     if result.get("code_hash") != digest:
         result = {}
-    result.update(code_hash=digest, torch=torch.__version__,
-                  gpu=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if torch.cuda.is_available()
-                  else "cpu")
+    result.update(
+        code_hash=digest,
+        torch=torch.__version__,
+        gpu=f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "cpu",
+    )
     if args.junit:
-        result["pytest"] = {**pytest_summary([args.junit]), "command": "python -m pytest -q tests/test_tensor_parallel.py"}
+        result["pytest"] = {
+            **pytest_summary([args.junit]),
+            "command": "python -m pytest -q tests/test_tensor_parallel.py",
+        }
     if args.hf:
         hf = json.loads(pathlib.Path(args.hf).read_text())
         result["hf"] = [{**row, "code_hash": digest} for row in hf["hf"]]

@@ -1,6 +1,6 @@
 """Can a capture leave torch's default CUDA generator alone? A probe for torch 2.11 (GPU only).
 
-    python benchmarks/rng_capture_probe.py --out probe.json [--captures 200] [--modes swap raw]
+    python -m benchmarks.rng_capture_probe --out probe.json [--captures 200] [--modes swap raw]
 
 torch 2.11's ``CUDAGraph.capture_begin`` registers the state the default CUDA generator holds and
 marks it capturing; another thread's random op on a marked state raises "Offset increment outside
@@ -30,7 +30,6 @@ import time
 
 import torch
 
-import _checkout  # noqa: F401  (the repository root on sys.path)
 
 class RawGraphs:
     """Captures as the backend captures a piece that draws nothing on torch < 2.12: ``RawGraph``
@@ -143,9 +142,15 @@ def probe(mode: str, captures: int) -> dict:
         neighbour.stop.set()
         neighbour.join()
         graphs.release()
-    return {"mode": mode, "captures": captures, "wrong_replays": wrong, "seconds": round(time.perf_counter() - start, 2),
-            "neighbour_iterations": neighbour.iterations, "neighbour_errors": neighbour.errors,
-            "neighbour_messages": sorted(neighbour.messages)}
+    return {
+        "mode": mode,
+        "captures": captures,
+        "wrong_replays": wrong,
+        "seconds": round(time.perf_counter() - start, 2),
+        "neighbour_iterations": neighbour.iterations,
+        "neighbour_errors": neighbour.errors,
+        "neighbour_messages": sorted(neighbour.messages),
+    }
 
 
 def main() -> None:

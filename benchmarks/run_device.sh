@@ -63,7 +63,7 @@ RECORDED=$OUT/$GPU.json
 part=${1:-tests}
 shift || true
 record() {
-  python benchmarks/record.py "$@" --previous "$RESULTS" --out "$RECORDED" && cp "$RECORDED" "$RESULTS"
+  python -m benchmarks.record "$@" --previous "$RESULTS" --out "$RECORDED" && cp "$RECORDED" "$RESULTS"
 }
 case "$part" in
   tests)
@@ -95,76 +95,76 @@ case "$part" in
     [ -f "$OUT/fuzz.json" ] && record --fuzz "$OUT/fuzz.json"
     python -c "import json, sys; t = json.load(open('$RECORDED'))['tests']; sys.exit(t['failed'] + t['not_run'] > 0)" ;;
   capture)
-    python benchmarks/capture_cost.py --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
+    python -m benchmarks.capture_cost --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
   host)
     (cd benchmarks && python host_breakdown.py --json "$OUT/host.json" "$@") 2>&1 | grep -v Warning | tee "$OUT/host.log"
     record --host "$OUT/host.json" ;;
   suite)
     # the suite saves each row as it goes: a run cut short by the timeout still records what it measured
-    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/suite.py --out "$OUT/suite.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-540}" python -m benchmarks.suite --out "$OUT/suite.json" "$@" 2>&1 \
       | tee "$OUT/suite.log" | grep '^{'
     record --suite "$OUT/suite.json"
-    python benchmarks/plot.py "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
+    python -m benchmarks.plot "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
   suite-apart)
     # each side in a process of its own; record.py merges rows of one code hash, and a piecewise row,
     # with no limit in its process, is divided by its model's and batch's limit row (plot.vs_limit)
     for variants in "limit dynamo-floor" "${PIECEWISE_VARIANTS:-piecewise}"; do
-      timeout "${SUITE_TIMEOUT:-270}" python benchmarks/suite.py --out "$OUT/suite.json" --variants $variants "$@" 2>&1 \
+      timeout "${SUITE_TIMEOUT:-270}" python -m benchmarks.suite --out "$OUT/suite.json" --variants $variants "$@" 2>&1 \
         | tee -a "$OUT/suite.log" | grep '^{'
       record --suite "$OUT/suite.json"
     done
-    python benchmarks/plot.py "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
+    python -m benchmarks.plot "$RECORDED" --png "$OUT/${GPU}_decode.png" ;;
   fuzz)
     python -m tests.fuzz --out "$OUT/fuzz.json" "$@" 2>&1 | tee "$OUT/fuzz.log" | grep -v Warning | tail -30
     record --fuzz "$OUT/fuzz.json" ;;
   weights)
-    python benchmarks/moved_weights.py --out "$OUT/moved_weights.json" "$@" 2>&1 | tail -3
+    python -m benchmarks.moved_weights --out "$OUT/moved_weights.json" "$@" 2>&1 | tail -3
     record --moved-weights "$OUT/moved_weights.json" ;;
   hf)
-    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/hf_generate.py --out "$OUT/hf.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-540}" python -m benchmarks.hf_generate --out "$OUT/hf.json" "$@" 2>&1 \
       | tee "$OUT/hf.log" | grep '^{'
     record --hf "$OUT/hf.json" ;;
   threads)
-    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/threads.py --out "$OUT/threads.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-540}" python -m benchmarks.threads --out "$OUT/threads.json" "$@" 2>&1 \
       | tee "$OUT/threads.log" | grep '^{'
     record --threads "$OUT/threads.json" ;;
   serving)
-    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/serving.py --out "$OUT/serving.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-560}" python -m benchmarks.serving --out "$OUT/serving.json" "$@" 2>&1 \
       | tee "$OUT/serving.log" | grep '^{'
     record --serving "$OUT/serving.json"
-    python benchmarks/serving.py --out "$OUT/serving.json" --figure "$OUT/serving_itl.png" ;;
+    python -m benchmarks.serving --out "$OUT/serving.json" --figure "$OUT/serving_itl.png" ;;
   graph-memory)
-    timeout "${SUITE_TIMEOUT:-540}" python benchmarks/graph_memory.py --out "$OUT/graph_memory.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-540}" python -m benchmarks.graph_memory --out "$OUT/graph_memory.json" "$@" 2>&1 \
       | tee "$OUT/graph_memory.log" | grep '^{' | cut -c1-600
     record --graph-memory "$OUT/graph_memory.json" ;;
   seed-workload)
     ls .whl/breakable_cuda_graphs-*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps .whl/breakable_cuda_graphs-*.whl
-    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/seed_workload.py --out "$OUT/seed_workload.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-560}" python -m benchmarks.seed_workload --out "$OUT/seed_workload.json" "$@" 2>&1 \
       | tee "$OUT/seed_workload.log" | grep '^{"variant'
     record --seed-workload "$OUT/seed_workload.json"
-    python benchmarks/seed_workload.py --out "$RECORDED" --figure "$OUT/seed_tpot.png" ;;
+    python -m benchmarks.seed_workload --out "$RECORDED" --figure "$OUT/seed_tpot.png" ;;
   start-up)
     ls .whl/breakable_cuda_graphs-*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps .whl/breakable_cuda_graphs-*.whl
-    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/start_up.py --out "$OUT/start_up.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-560}" python -m benchmarks.start_up --out "$OUT/start_up.json" "$@" 2>&1 \
       | tee "$OUT/start_up.log" | grep '^{"variant'
     record --start-up "$OUT/start_up.json" ;;
   serve-first-sweep)
     # serve-first per worker count (PIECEWISE_COMPILE_WORKERS; "" = the default) and started with the
     # process, beside eager and Inductor cold: $OUT/sweep_<variant>_<workers>.json, not recorded
-    timeout 100 python benchmarks/start_up.py --out "$OUT/sweep_reference.json" --variants eager,inductor "$@" \
+    timeout 100 python -m benchmarks.start_up --out "$OUT/sweep_reference.json" --variants eager,inductor "$@" \
       2>&1 | grep '^{"variant'
     for run in "serve-first 1" "serve-first 2" "serve-first-prestarted " "serve-first-prestarted 1"; do
       set -- $run
-      PIECEWISE_COMPILE_WORKERS=${2:-} timeout 120 python benchmarks/start_up.py --out "$OUT/sweep_$1_${2:-default}.json" \
+      PIECEWISE_COMPILE_WORKERS=${2:-} timeout 120 python -m benchmarks.start_up --out "$OUT/sweep_$1_${2:-default}.json" \
         --variants "$1" --child-timeout 110 --switch-timeout 80 2>&1 | grep '^{"variant'
     done ;;
   hf-startup)
-    timeout "${SUITE_TIMEOUT:-560}" python benchmarks/hf_startup.py --out "$OUT/hf_startup.json" "$@" 2>&1 \
+    timeout "${SUITE_TIMEOUT:-560}" python -m benchmarks.hf_startup --out "$OUT/hf_startup.json" "$@" 2>&1 \
       | tee "$OUT/hf_startup.log" | grep '^{'
     record --hf-startup "$OUT/hf_startup.json" ;;
   entry)
-    python benchmarks/dynamo_entry.py --out "$OUT/entry.json" "$@" 2>&1 | grep '^{'
+    python -m benchmarks.dynamo_entry --out "$OUT/entry.json" "$@" 2>&1 | grep '^{'
     record --entry "$OUT/entry.json" ;;
   kernel)
     (cd benchmarks && python attention_kernel.py --json "$OUT/kernel.json") 2>&1 | grep -v Warning | tee "$OUT/kernel.log"
@@ -177,7 +177,7 @@ case "$part" in
     # two GPUs (nvidia-h200-x2): the tensor-parallel tests, the torchrun + NCCL one included
     python -m pytest -q -rs tests/test_tensor_parallel.py --junitxml="$OUT/tp_pytest.xml" -p no:cacheprovider 2>&1 \
       | tail -5
-    python benchmarks/record_tensor_parallel.py --junit "$OUT/tp_pytest.xml" --previous "$TP_RESULTS" \
+    python -m benchmarks.record_tensor_parallel --junit "$OUT/tp_pytest.xml" --previous "$TP_RESULTS" \
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   tp-hf)
     # two GPUs: a Hugging Face model under tp_plan="auto" (ARGS, e.g. --model/--batches, go to both runs):
@@ -189,9 +189,9 @@ case "$part" in
     # shellcheck disable=SC2086  # TP_VARIANTS: several words
     tp_run --out "$OUT/tp_bf16.json" --dtype bfloat16 --agreement-from "$OUT/tp_fp32.json" "$@" \
       --variants ${TP_VARIANTS:-eager piecewise-static piecewise-dynamic compile-default}
-    python benchmarks/record_tensor_parallel.py --hf "$OUT/tp_bf16.json" --previous "$TP_RESULTS" \
+    python -m benchmarks.record_tensor_parallel --hf "$OUT/tp_bf16.json" --previous "$TP_RESULTS" \
       --out "$OUT/h200x2_tensor_parallel.json" && cp "$OUT/h200x2_tensor_parallel.json" "$TP_RESULTS" ;;
   ab)
-    python benchmarks/ab_versions.py --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
+    python -m benchmarks.ab_versions --json "$OUT/ab_versions.json" "$@" 2>&1 | tee "$OUT/ab.log" | grep '^{"model' ;;
   *) echo "unknown part $part: tests, cuda-tests, capture, host, suite, suite-apart, fuzz, weights, hf, serving, seed-workload, start-up, entry, hf-startup, kernel, graph-kernels, threads, tp-tests, tp-hf or ab" >&2; exit 2 ;;
 esac

@@ -1,8 +1,8 @@
 """The seed's own serving workload, timed as ``vllm bench serve`` times it, and a concurrency sweep.
 
-    python benchmarks/seed_workload.py --out seed.json [--variants full-and-piecewise,piecewise] [--requests 30]
-    python benchmarks/seed_workload.py --out seed.json --figure seed_tpot.png     # its figure
-    python benchmarks/seed_workload.py --out /tmp/s.json --device cpu --config tiny --requests 4   # smoke test
+    python -m benchmarks.seed_workload --out seed.json [--variants full-and-piecewise,piecewise] [--requests 30]
+    python -m benchmarks.seed_workload --out seed.json --figure seed_tpot.png     # its figure
+    python -m benchmarks.seed_workload --out /tmp/s.json --device cpu --config tiny --requests 4   # smoke test
 
 The seed's headline (vLLM's "Support full cuda graph" table) is Qwen2.5-1.5B under ``vllm bench serve
 --random-input-len 1000 --random-output-len 100 --request-rate 1``: median TPOT 5.75 ms with piecewise
@@ -45,24 +45,32 @@ import time
 
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import json
+import pathlib
+import statistics
+import sys
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-from child_rows import child_row, report  # noqa: E402
-from serving import CONFIGS, build, percentile  # noqa: E402  (the model: as serving.py builds it)
-from toys import engine as toy  # noqa: E402
+from benchmarks.child_rows import child_row, report
+from benchmarks.serving import CONFIGS, build, percentile  # (the model: as serving.py builds it)
+from toys import engine as toy
 
-VARIANTS = ("piecewise", "full-and-piecewise", "full-and-piecewise-all", "piecewise-paged", "eager",
-            "breakable-cuda-graphs", "inductor", "reduce-overhead")
-SEED_VLLM = {"piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
-             "full": {"tpot_median_ms": 5.33, "ttft_median_ms": 30.5, "itl_p99_ms": 6.18}}  # seed 001, their GPU, fp16
+VARIANTS = (
+    "piecewise",
+    "full-and-piecewise",
+    "full-and-piecewise-all",
+    "piecewise-paged",
+    "eager",
+    "breakable-cuda-graphs",
+    "inductor",
+    "reduce-overhead",
+)
+SEED_VLLM = {
+    "piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
+    "full": {"tpot_median_ms": 5.33, "ttft_median_ms": 30.5, "itl_p99_ms": 6.18},
+}  # seed 001, their GPU, fp16
 PROMPT, OUTPUT, SWEEP_PROMPT, SWEEP_OUTPUT = 1000, 100, 64, 256
 
 
@@ -75,7 +83,7 @@ def compiled(model, variant: str):
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
     if variant == "breakable-cuda-graphs":
-        from peers import BreakableForward
+        from benchmarks.peers import BreakableForward
 
         return BreakableForward(model)
     options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
@@ -88,6 +96,7 @@ def compiled(model, variant: str):
         def piecewise_only(*args):
             with piecewise_backend.cudagraph_mode("piecewise"):  # inside the engine's own mode: it wins
                 return forward(*args)
+
         return piecewise_only
     return forward
 
@@ -97,11 +106,25 @@ def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.En
     longest = 64 if tiny else max(PROMPT + OUTPUT, SWEEP_PROMPT + SWEEP_OUTPUT)
     seqs = max(args.in_flight)
     per_request = -(-longest // model.cfg.block_size)
-    blocks = max(seqs * -(-(SWEEP_PROMPT + SWEEP_OUTPUT) // model.cfg.block_size), 8 * per_request,
-                 -(-args.max_num_tokens // model.cfg.block_size) + 1) + 8  # (the warm-up's step at the budget)
+    blocks = (
+        max(
+            seqs * -(-(SWEEP_PROMPT + SWEEP_OUTPUT) // model.cfg.block_size),
+            8 * per_request,
+            -(-args.max_num_tokens // model.cfg.block_size) + 1,
+        )
+        + 8
+    )  # (the warm-up's step at the budget)
     mode = "piecewise" if variant in ("piecewise",) else "full_and_piecewise"
-    return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=seqs, num_blocks=blocks,
-                      device=device, dtype=dtype, graph_mode=mode)
+    return toy.Engine(
+        model,
+        forward,
+        max_num_tokens=args.max_num_tokens,
+        max_num_seqs=seqs,
+        num_blocks=blocks,
+        device=device,
+        dtype=dtype,
+        graph_mode=mode,
+    )
 
 
 def requests(n: int, prompt: int, output: int, rate: float, vocab: int, seed: int = 0) -> list:
@@ -119,13 +142,19 @@ def requests(n: int, prompt: int, output: int, rate: float, vocab: int, seed: in
 def latencies(done: list, start: float) -> dict:
     """vLLM's serving metrics over finished requests (times in ms; arrivals relative to ``start``)."""
     ttft = [(r.token_times[0] - start - r.arrival) * 1e3 for r in done]
-    tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in done
-            if len(r.token_times) > 1]
+    tpot = [
+        (r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in done if len(r.token_times) > 1
+    ]
     itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
     out = {}
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
-        out.update({f"{name}_median_ms": _ms(statistics.median(values)), f"{name}_mean_ms": _ms(statistics.fmean(values)),
-                    f"{name}_p99_ms": _ms(percentile(values, 0.99))})
+        out.update(
+            {
+                f"{name}_median_ms": _ms(statistics.median(values)),
+                f"{name}_mean_ms": _ms(statistics.fmean(values)),
+                f"{name}_p99_ms": _ms(percentile(values, 0.99)),
+            }
+        )
     duration = max(r.token_times[-1] for r in done) - start - min(r.arrival for r in done)
     out["out_tok_s"] = round(sum(len(r.output) for r in done) / duration, 1)
     return out
@@ -138,11 +167,13 @@ def graph_counts() -> dict:
     import piecewise_backend
 
     graphs = piecewise_backend.compiled_graphs()
-    return {"captures": sum(g.stats.captures + g.stats.full_captures for g in graphs),
-            "full_replays": sum(g.stats.full_replays for g in graphs),
-            "piecewise_replays": sum(g.stats.piecewise_replays for g in graphs),
-            "full_fallbacks": sum(sum(g.stats.full_fallbacks.values()) for g in graphs),
-            "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs)}
+    return {
+        "captures": sum(g.stats.captures + g.stats.full_captures for g in graphs),
+        "full_replays": sum(g.stats.full_replays for g in graphs),
+        "piecewise_replays": sum(g.stats.piecewise_replays for g in graphs),
+        "full_fallbacks": sum(sum(g.stats.full_fallbacks.values()) for g in graphs),
+        "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
+    }
 
 
 def inductor_cache() -> str:
@@ -165,11 +196,19 @@ def serve(args, variant: str) -> tuple[dict, list]:
     cache = inductor_cache()
     vocab, prompt = model.cfg.vocab, PROMPT if args.config != "tiny" else 24
     engine.max_num_seqs = max(args.in_flight)
-    done = engine.run(requests(args.requests, prompt, OUTPUT if args.config != "tiny" else 8, args.rate, vocab),
-                      realtime=args.rate > 0)
+    done = engine.run(
+        requests(args.requests, prompt, OUTPUT if args.config != "tiny" else 8, args.rate, vocab),
+        realtime=args.rate > 0,
+    )
     _sync(device)
-    row = {"variant": variant, **latencies(done, engine._start), "startup_s": round(startup, 2),
-           "inductor_cache": cache, **graph_counts(), "requests": len(done)}
+    row = {
+        "variant": variant,
+        **latencies(done, engine._start),
+        "startup_s": round(startup, 2),
+        "inductor_cache": cache,
+        **graph_counts(),
+        "requests": len(done),
+    }
     return row, sweep_levels(args, engine, variant, vocab)
 
 
@@ -189,8 +228,14 @@ def sweep_levels(args, engine: toy.Engine, variant: str, vocab: int) -> list:
         _sync(args.device)
         seconds = time.perf_counter() - began
         tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in finished]
-        sweep.append({"variant": variant, "in_flight": level, "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
-                      "tpot_median_ms": _ms(statistics.median(tpot))})
+        sweep.append(
+            {
+                "variant": variant,
+                "in_flight": level,
+                "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
+                "tpot_median_ms": _ms(statistics.median(tpot)),
+            }
+        )
         print(json.dumps(sweep[-1]), flush=True)
     return sweep
 
@@ -238,8 +283,10 @@ def figure(result: dict, png: pathlib.Path) -> None:
 
     rows = [r for r in result.get("seed_workload", []) if "tpot_median_ms" in r]
     names = [r["variant"] for r in rows] + ["vLLM piecewise (seed)", "vLLM full (seed)"]
-    values = [r["tpot_median_ms"] for r in rows] + [SEED_VLLM["piecewise"]["tpot_median_ms"],
-                                                     SEED_VLLM["full"]["tpot_median_ms"]]
+    values = [r["tpot_median_ms"] for r in rows] + [
+        SEED_VLLM["piecewise"]["tpot_median_ms"],
+        SEED_VLLM["full"]["tpot_median_ms"],
+    ]
     fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1))
     colors = ["tab:green" if n.startswith("full-and") else "tab:gray" if "seed" in n else "tab:blue" for n in names]
     ax.barh(names, values, color=colors)
@@ -247,8 +294,11 @@ def figure(result: dict, png: pathlib.Path) -> None:
         ax.text(v, y, f" {v:.2f}", va="center")
     ax.invert_yaxis()
     ax.set_xlabel("median TPOT (ms), lower is better")
-    ax.set_title("Seed workload: Qwen2.5-1.5B dims, bf16, 1,000-token prompts,\n100 new tokens, 1 request/s "
-                 "(vLLM's numbers: the seed's, their GPU, fp16)", fontsize=10)
+    ax.set_title(
+        "Seed workload: Qwen2.5-1.5B dims, bf16, 1,000-token prompts,\n100 new tokens, 1 request/s "
+        "(vLLM's numbers: the seed's, their GPU, fp16)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -276,7 +326,7 @@ def main() -> None:
         return figure(result, pathlib.Path(args.figure))
     result.setdefault("seed_vllm", SEED_VLLM)
     for variant in args.variants.split(","):
-        got = child_row([sys.executable, __file__, *sys.argv[1:], "--variant", variant], args.child_timeout)
+        got = child_row([sys.executable, "-m", __spec__.name, *sys.argv[1:], "--variant", variant], args.child_timeout)
         row, sweep = (got["row"], got["sweep"]) if "row" in got else ({"variant": variant, **got}, [])
         result["seed_workload"] = [r for r in result.get("seed_workload", []) if r["variant"] != variant] + [row]
         result["concurrency"] = [r for r in result.get("concurrency", []) if r["variant"] != variant] + sweep

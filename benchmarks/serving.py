@@ -1,8 +1,8 @@
 """A serving engine's model under continuous batching: start-up, graph memory, tokens/s, inter-token latency.
 
-    python benchmarks/serving.py --out serving.json [--variants piecewise,piecewise-all] [--starts cold,warm]
-    python benchmarks/serving.py --out serving.json --figure serving_itl.png            # its figure
-    python benchmarks/serving.py --out /tmp/s.json --device cpu --config tiny --requests 6   # smoke test
+    python -m benchmarks.serving --out serving.json [--variants piecewise,piecewise-all] [--starts cold,warm]
+    python -m benchmarks.serving --out serving.json --figure serving_itl.png            # its figure
+    python -m benchmarks.serving --out /tmp/s.json --device cpu --config tiny --requests 6   # smoke test
 
 The engine is ``toys/engine.py`` (paged KV cache, attention a custom op over a forward context,
 chunked prefill under a token budget, greedy sampling outside the compiled model), on Qwen2.5-1.5B's
@@ -43,21 +43,19 @@ import time
 
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
 
-import argparse  # noqa: E402
-import dataclasses  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
+import argparse
+import dataclasses
+import gc
+import json
+import pathlib
+import statistics
+import sys
+import tempfile
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-from child_rows import child_row, report  # noqa: E402
-from toys import engine as toy  # noqa: E402
+from benchmarks.child_rows import child_row, report
+from toys import engine as toy
 
 VARIANTS = ("eager", "inductor", "reduce-overhead", "piecewise", "piecewise-all", "piecewise-cap8")
 CONFIGS = {"tiny": toy.TINY, "qwen2.5-1.5b": toy.QWEN2_5_1_5B}
@@ -95,8 +93,16 @@ def build(config: str, variant: str, device: str, dtype):
 def engine_for(model, forward, device: str, dtype, args) -> toy.Engine:
     longest = TRACE["prompt"][1] + TRACE["output"][1] if args.config != "tiny" else 64
     blocks = args.max_num_seqs * -(-longest // model.cfg.block_size) + 8
-    return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=args.max_num_seqs,
-                      num_blocks=blocks, device=device, dtype=dtype, graph_mode="piecewise")
+    return toy.Engine(
+        model,
+        forward,
+        max_num_tokens=args.max_num_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_blocks=blocks,
+        device=device,
+        dtype=dtype,
+        graph_mode="piecewise",
+    )
 
 
 def trace(args, n: int, seed: int = 0, short: bool = False):
@@ -138,11 +144,16 @@ def backend_totals() -> dict:
 
     graphs = piecewise_backend.compiled_graphs()
     stats = piecewise_backend.process_stats()
-    return {"capture_s": round(stats["capture_seconds"], 2), "graph_pool_mib": round(stats["pool_bytes"] / 2**20, 1),
-            "captures": stats["captured_sizes"], "replays": stats["replays"], "ungraphed_runs": stats["ungraphed_runs"],
-            "rides": stats["rides"],
-            "failed_captures": sum(g.stats.failed_captures for g in graphs),
-            "replaced": sum(len(g.stats.replaced_keys) for g in graphs)}
+    return {
+        "capture_s": round(stats["capture_seconds"], 2),
+        "graph_pool_mib": round(stats["pool_bytes"] / 2**20, 1),
+        "captures": stats["captured_sizes"],
+        "replays": stats["replays"],
+        "ungraphed_runs": stats["ungraphed_runs"],
+        "rides": stats["rides"],
+        "failed_captures": sum(g.stats.failed_captures for g in graphs),
+        "replaced": sum(len(g.stats.replaced_keys) for g in graphs),
+    }
 
 
 class GcPauses:
@@ -185,15 +196,22 @@ def serve(args, variant: str, device: str) -> dict:
     steps = [s.seconds * 1e3 for s in engine.steps]
     median = statistics.median(steps)
     stalls = [steps[i - warm_up_steps] - median for i in watch.capturing_steps if i >= warm_up_steps]
-    return {"variant": variant, "startup_s": round(first_token - _STARTED, 2),
-            "tokens_per_s": round(sum(len(r.output) for r in done) / (end - start), 1),
-            "itl_p50_ms": _ms(percentile([g for _, g in gaps], 0.5)),
-            "itl_p99_ms": _ms(percentile([g for _, g in gaps], 0.99)),
-            "itl_p99_first10s_ms": _ms(percentile([g for t, g in gaps if t <= 10.0], 0.99)),
-            "worst_capture_stall_ms": _ms(max(stalls, default=0.0)), "steps": len(steps),
-            "gc_pause_ms_max": _ms(max(gc_pauses.pauses, default=0.0)), "gc_pauses": len(gc_pauses.pauses),
-            "step_ms_median": _ms(median), "output_tokens": sum(len(r.output) for r in done),
-            **backend_totals(), "itl_over_time": [(round(t, 3), round(g, 2)) for t, g in gaps[:: max(1, len(gaps) // 2000)]]}
+    return {
+        "variant": variant,
+        "startup_s": round(first_token - _STARTED, 2),
+        "tokens_per_s": round(sum(len(r.output) for r in done) / (end - start), 1),
+        "itl_p50_ms": _ms(percentile([g for _, g in gaps], 0.5)),
+        "itl_p99_ms": _ms(percentile([g for _, g in gaps], 0.99)),
+        "itl_p99_first10s_ms": _ms(percentile([g for t, g in gaps if t <= 10.0], 0.99)),
+        "worst_capture_stall_ms": _ms(max(stalls, default=0.0)),
+        "steps": len(steps),
+        "gc_pause_ms_max": _ms(max(gc_pauses.pauses, default=0.0)),
+        "gc_pauses": len(gc_pauses.pauses),
+        "step_ms_median": _ms(median),
+        "output_tokens": sum(len(r.output) for r in done),
+        **backend_totals(),
+        "itl_over_time": [(round(t, 3), round(g, 2)) for t, g in gaps[:: max(1, len(gaps) // 2000)]],
+    }
 
 
 def agreement(args, variant: str, device: str) -> float:
@@ -236,7 +254,11 @@ def figure(rows: list[dict], png: pathlib.Path) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
     for row in rows:
-        if row.get("start") == "cold" and row.get("variant") in ("piecewise", "piecewise-all") and "itl_over_time" in row:
+        if (
+            row.get("start") == "cold"
+            and row.get("variant") in ("piecewise", "piecewise-all")
+            and "itl_over_time" in row
+        ):
             t, ms = zip(*row["itl_over_time"]) if row["itl_over_time"] else ((), ())
             ax.scatter(t, ms, s=3, alpha=0.5, label=f"{row['variant']} (p99 {row['itl_p99_ms']} ms)")
     ax.set_yscale("log")
@@ -275,7 +297,7 @@ def main() -> None:
     for variant in args.variants.split(","):
         with tempfile.TemporaryDirectory() as caches:
             for start in args.starts.split(","):
-                cmd = [sys.executable, __file__, *passed, "--variant", variant, "--start", start]
+                cmd = [sys.executable, "-m", __spec__.name, *passed, "--variant", variant, "--start", start]
                 row = child_row(cmd, args.child_timeout, caches)
                 if "error" in row:
                     row = {"variant": variant, "start": start, **row}

@@ -1,7 +1,7 @@
 """Start-up routes on the serving engine: eager, Inductor cold, no Inductor, a warm process, serve-first.
 
-    python benchmarks/start_up.py --out start_up.json [--variants eager,no-inductor,...]
-    python benchmarks/start_up.py --out /tmp/s.json --device cpu --config tiny   # smoke test
+    python -m benchmarks.start_up --out start_up.json [--variants eager,no-inductor,...]
+    python -m benchmarks.start_up --out /tmp/s.json --device cpu --config tiny   # smoke test
 
 ``toys/engine.py`` at Qwen2.5-1.5B's dimensions (random weights, bf16), each variant in a fresh child
 process, each with an empty Inductor/Triton cache folder of its own unless said otherwise. The engine
@@ -45,38 +45,62 @@ import time
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
 _STARTED_WALL = time.time()  # the same moment on the clock the compile workers share
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import pathlib  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import tempfile
 
-import torch  # noqa: E402
+import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-from child_rows import child_row, report  # noqa: E402
-from serving import CONFIGS, build  # noqa: E402
-from toys import engine as toy  # noqa: E402
+from benchmarks.child_rows import child_row, report
+from benchmarks.serving import CONFIGS, build
+from toys import engine as toy
 
-VARIANTS = ("eager", "breakable-cuda-graphs", "dynamo-only", "inductor", "no-inductor", "save", "warm", "serve-first",
-            "serve-first-prestarted")
-COMPILERS = {"inductor": "inductor", "no-inductor": "eager", "save": "inductor", "warm": "inductor",
-             "serve-first": "eager_then_inductor", "serve-first-prestarted": "eager_then_inductor"}
+VARIANTS = (
+    "eager",
+    "breakable-cuda-graphs",
+    "dynamo-only",
+    "inductor",
+    "no-inductor",
+    "save",
+    "warm",
+    "serve-first",
+    "serve-first-prestarted",
+)
+COMPILERS = {
+    "inductor": "inductor",
+    "no-inductor": "eager",
+    "save": "inductor",
+    "warm": "inductor",
+    "serve-first": "eager_then_inductor",
+    "serve-first-prestarted": "eager_then_inductor",
+}
 PROMPT, OUTPUT = 1000, 100
 
 
 def _options(variant: str) -> dict:
-    return {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION],
-            "compiler": COMPILERS[variant]}
+    return {
+        "extra_splitting_ops": [toy.ATTENTION],
+        "row_independent_ops": [toy.ATTENTION],
+        "compiler": COMPILERS[variant],
+    }
 
 
 def _engine(model, forward, args, device, dtype, mark_dynamic="unbacked") -> toy.Engine:
     blocks = 4 * -(-(PROMPT + OUTPUT) // model.cfg.block_size) + -(-args.max_num_tokens // model.cfg.block_size) + 8
-    return toy.Engine(model, forward, max_num_tokens=args.max_num_tokens, max_num_seqs=1, num_blocks=blocks,
-                      device=device, dtype=dtype, mark_dynamic=mark_dynamic)
+    return toy.Engine(
+        model,
+        forward,
+        max_num_tokens=args.max_num_tokens,
+        max_num_seqs=1,
+        num_blocks=blocks,
+        device=device,
+        dtype=dtype,
+        mark_dynamic=mark_dynamic,
+    )
 
 
 def _forward(model, variant: str, args, engine_examples):
@@ -86,7 +110,7 @@ def _forward(model, variant: str, args, engine_examples):
     if variant == "eager":
         return model, 0.0
     if variant == "breakable-cuda-graphs":
-        from peers import BreakableForward
+        from benchmarks.peers import BreakableForward
 
         return BreakableForward(model), 0.0
     if variant == "dynamo-only":
@@ -115,9 +139,12 @@ def _times() -> dict:
 
         graphs = piecewise_backend.compiled_graphs()
         build = sum(g.stats.build_seconds for g in graphs if not g.stats.loaded)
-        out = {"trace_s": max(0.0, dynamo - build), "build_s": build,
-               "compile_s": sum(g.stats.inductor_seconds for g in graphs),
-               "capture_s": sum(e.seconds for g in graphs for e in g.stats.events)}
+        out = {
+            "trace_s": max(0.0, dynamo - build),
+            "build_s": build,
+            "compile_s": sum(g.stats.inductor_seconds for g in graphs),
+            "capture_s": sum(e.seconds for g in graphs for e in g.stats.events),
+        }
     return {k: round(v, 2) for k, v in out.items()}
 
 
@@ -127,20 +154,28 @@ def _gpu_mib_by_process() -> dict | None:
     import subprocess
 
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     rows = [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
-    return {("self" if int(row[0]) == os.getpid() else row[0]): int(row[1])
-            for row in rows if len(row) == 2 and row[0].isdigit() and row[1].isdigit()}  # "[N/A]" in some containers
+    return {
+        ("self" if int(row[0]) == os.getpid() else row[0]): int(row[1])
+        for row in rows
+        if len(row) == 2 and row[0].isdigit() and row[1].isdigit()
+    }  # "[N/A]" in some containers
 
 
 def _one_at_a_time(engine, n: int, vocab: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     engine.finished.clear()  # run() returns every finished request: only these
-    return engine.run([toy.Request(i, torch.randint(0, vocab, (PROMPT,), generator=g).tolist(), OUTPUT)
-                       for i in range(n)])
+    return engine.run(
+        [toy.Request(i, torch.randint(0, vocab, (PROMPT,), generator=g).tolist(), OUTPUT) for i in range(n)]
+    )
 
 
 def _tpots(done: list) -> list:
@@ -161,13 +196,20 @@ def _serve_across_the_switch(engine, args, vocab: int) -> dict:
     graphs = piecewise_backend.compiled_graphs()
     at = [g.stats.switched_at for g in graphs if g.stats.code_switches]
     steps = [s.seconds * 1e3 for s in engine.steps if any(s.start <= t <= s.start + s.seconds for t in at)]
-    return {"tpot_before_ms": round(statistics.median(_tpots(before)), 2) if before else None,
-            "tpot_median_ms": round(statistics.median(_tpots(after)), 2) if after else None,
-            "switched_s": round(max(at) - _STARTED, 2) if len(at) == len([g for g in graphs if g.plan.pieces]) else None,
-            "switch_step_ms": round(max(steps), 2) if steps else None,
-            "behind": [{step: round(at - _STARTED_WALL, 2) for step, at in g.stats.behind_timeline.items()}
-                       for g in graphs if g.stats.behind_timeline],
-            "requests_before": len(before), "requests_after": len(after), **_times()}
+    return {
+        "tpot_before_ms": round(statistics.median(_tpots(before)), 2) if before else None,
+        "tpot_median_ms": round(statistics.median(_tpots(after)), 2) if after else None,
+        "switched_s": round(max(at) - _STARTED, 2) if len(at) == len([g for g in graphs if g.plan.pieces]) else None,
+        "switch_step_ms": round(max(steps), 2) if steps else None,
+        "behind": [
+            {step: round(at - _STARTED_WALL, 2) for step, at in g.stats.behind_timeline.items()}
+            for g in graphs
+            if g.stats.behind_timeline
+        ],
+        "requests_before": len(before),
+        "requests_after": len(after),
+        **_times(),
+    }
 
 
 def child(args) -> None:
@@ -185,16 +227,25 @@ def child(args) -> None:
         engine.warm_up(freeze_gc=True)
         if device == "cuda":
             torch.cuda.synchronize()
-        row = {"variant": variant, "caches": args.caches, "startup_s": round(time.perf_counter() - _STARTED, 2),
-               **_times(), "load_s": round(load_s, 2)}
+        row = {
+            "variant": variant,
+            "caches": args.caches,
+            "startup_s": round(time.perf_counter() - _STARTED, 2),
+            **_times(),
+            "load_s": round(load_s, 2),
+        }
         if variant.startswith("serve-first"):
             from piecewise_backend.persist.compile_behind import worker_count
 
-            row.update(_serve_across_the_switch(engine, args, model.cfg.vocab), compile_workers=worker_count(),
-                       gpu_mib_by_process=_gpu_mib_by_process())
+            row.update(
+                _serve_across_the_switch(engine, args, model.cfg.vocab),
+                compile_workers=worker_count(),
+                gpu_mib_by_process=_gpu_mib_by_process(),
+            )
         else:
-            row["tpot_median_ms"] = round(statistics.median(_tpots(_one_at_a_time(engine, args.requests,
-                                                                                  model.cfg.vocab, 0))), 2)
+            row["tpot_median_ms"] = round(
+                statistics.median(_tpots(_one_at_a_time(engine, args.requests, model.cfg.vocab, 0))), 2
+            )
         from torch._dynamo.utils import counters
 
         row["dynamo_frames"] = sum(counters["frames"].values())
@@ -204,11 +255,17 @@ def child(args) -> None:
     report(row)
 
 
-CACHES = {"eager": "none", "breakable-cuda-graphs": "none", "dynamo-only": "none (nothing compiled)",
-          "inductor": "cold (empty Inductor/Triton caches)",
-          "no-inductor": "cold (empty caches)", "save": "cold (empty caches); writes the artifact",
-          "warm": "the artifact `save` wrote; empty Inductor/Triton caches", "serve-first": "cold (empty caches)",
-          "serve-first-prestarted": "cold (empty caches)"}
+CACHES = {
+    "eager": "none",
+    "breakable-cuda-graphs": "none",
+    "dynamo-only": "none (nothing compiled)",
+    "inductor": "cold (empty Inductor/Triton caches)",
+    "no-inductor": "cold (empty caches)",
+    "save": "cold (empty caches); writes the artifact",
+    "warm": "the artifact `save` wrote; empty Inductor/Triton caches",
+    "serve-first": "cold (empty caches)",
+    "serve-first-prestarted": "cold (empty caches)",
+}
 
 
 def main() -> None:
@@ -235,8 +292,18 @@ def main() -> None:
     for variant in args.variants.split(","):
         caches = str(work / f"caches-{variant}")
         os.makedirs(caches, exist_ok=True)
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant, "--caches", CACHES[variant],
-               "--artifact", artifact]
+        cmd = [
+            sys.executable,
+            "-m",
+            __spec__.name,
+            *sys.argv[1:],
+            "--variant",
+            variant,
+            "--caches",
+            CACHES[variant],
+            "--artifact",
+            artifact,
+        ]
         row = child_row(cmd, args.child_timeout, caches=caches)
         row = {"variant": variant, "caches": CACHES[variant], **row}
         result["startup"] = [r for r in result.get("startup", []) if r["variant"] != variant] + [row]

@@ -1,6 +1,6 @@
 """The GPU timeline of 5 decode steps, limit and piecewise, host running ahead (CUDA only).
 
-    python benchmarks/step_timeline.py MODEL BATCH OUT_DIR   # writes OUT_DIR/trace_MODEL_bBATCH.json
+    python -m benchmarks.step_timeline MODEL BATCH OUT_DIR   # writes OUT_DIR/trace_MODEL_bBATCH.json
 
 Each kernel (and memcpy) of the steps with its start and duration, from ``torch.profiler``
 (CUDA activity): which kernels are busy for how long, per step, side by side. The limit is built
@@ -8,14 +8,18 @@ first, in this process (what ``suite.py`` does too: see ``coresidence.py``). The
 stretches the gaps between a graph's kernels (0.45 µs each in the piecewise graph under it, where
 an unprofiled replay is within 3% of the limit's), so read the busy times, not the spans.
 """
-import os, sys, json, argparse
-sys.path.insert(0, os.path.join(os.getcwd(), "benchmarks"))
+
+import argparse
+import json
+import os
+import sys
+
 import torch
 from torch.profiler import ProfilerActivity, profile
-import _checkout  # noqa
-from suite_models import models_for
-from suite_variants import compiled_variant, limit_graph
-from timing import time_decode
+
+from benchmarks.suite_models import models_for
+from benchmarks.suite_variants import compiled_variant, limit_graph
+from benchmarks.timing import time_decode
 from toys.models import next_tokens, reset_caches
 
 key, batch, out_dir = sys.argv[1], int(sys.argv[2]), sys.argv[3]
@@ -24,9 +28,17 @@ model, _ = models_for(key, args, "cuda")
 if hasattr(model, "set_batch"):
     model.set_batch(batch)
 
+
 def timeline(prof):
-    return sorted(({"name": e.name[:80], "ts": e.time_range.start, "dur": e.time_range.end - e.time_range.start}
-                   for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda r: r["ts"])
+    return sorted(
+        (
+            {"name": e.name[:80], "ts": e.time_range.start, "dur": e.time_range.end - e.time_range.start}
+            for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA
+        ),
+        key=lambda r: r["ts"],
+    )
+
 
 with torch.inference_mode():
     replay, _ = limit_graph(model, batch, 256, "cuda")

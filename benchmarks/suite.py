@@ -1,6 +1,6 @@
 """The benchmark suite: decode step time of toy Llamas under every backend a user would pick.
 
-    python benchmarks/suite.py --out suite.json [--models 16L 28L --batches 1 8 32 --steps 40]
+    python -m benchmarks.suite --out suite.json [--models 16L 28L --batches 1 8 32 --steps 40]
 
 This module runs the variants and assembles the rows; the models are in ``suite_models.py``, how
 each variant is compiled and timed in ``suite_variants.py``, the timing loops in ``timing.py`` and
@@ -92,15 +92,14 @@ import traceback
 
 import torch
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
-import host_speed
 import piecewise_backend
-from host_speed import fast_host_times, settled_probe
+from benchmarks import host_speed
+from benchmarks.host_speed import fast_host_times, settled_probe
+from benchmarks.plot import SAME_PROCESS_LIMIT
+from benchmarks.suite_models import IDIOMS, MODELS, model_name, models_for, size_caches, toy_model
+from benchmarks.suite_variants import VARIANTS, prepared_variant, sdpa_label
+from benchmarks.timing import sm_clock_mhz
 from piecewise_backend.runtime.devices import synchronize
-from plot import SAME_PROCESS_LIMIT
-from suite_models import IDIOMS, MODELS, model_name, models_for, size_caches, toy_model
-from suite_variants import VARIANTS, prepared_variant, sdpa_label
-from timing import sm_clock_mhz
 
 
 def _error(exc: Exception) -> str:
@@ -157,8 +156,14 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                         first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
                         step_ms, host_ms = measure()
                         clock = sm_clock_mhz(device)
-                        row.update(step_ms=round(step_ms, 4), host_ms=round(host_ms, 4), sm_clock_mhz=clock,
-                                   first_call_s=round(first_s, 3), sdpa=sdpa_label(variant), **facts())
+                        row.update(
+                            step_ms=round(step_ms, 4),
+                            host_ms=round(host_ms, 4),
+                            sm_clock_mhz=clock,
+                            first_call_s=round(first_s, 3),
+                            sdpa=sdpa_label(variant),
+                            **facts(),
+                        )
                         row["pipelined_ms"] = _pipelined_ms(row, measure)
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
@@ -194,13 +199,24 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
             batch_rows, measures, facts = {}, {}, {}
             with torch.inference_mode():
                 for variant in args.variants:
-                    row = batch_rows[variant] = {"model": model_name(model), "variant": variant, "batch": batch,
-                                                 "sdpa": sdpa_label(variant)}
+                    row = batch_rows[variant] = {
+                        "model": model_name(model),
+                        "variant": variant,
+                        "batch": batch,
+                        "sdpa": sdpa_label(variant),
+                    }
                     try:
-                        first_s, measures[variant], facts[variant] = prepared_variant(variant, model, twin, batch,
-                                                                                      args, device)
-                        row.update(first_call_s=round(first_s, 3), step_ms_rounds=[], host_ms_rounds=[],
-                                   host_probe_us_rounds=[], sm_clock_mhz_rounds=[], pipelined_ms_rounds=[])
+                        first_s, measures[variant], facts[variant] = prepared_variant(
+                            variant, model, twin, batch, args, device
+                        )
+                        row.update(
+                            first_call_s=round(first_s, 3),
+                            step_ms_rounds=[],
+                            host_ms_rounds=[],
+                            host_probe_us_rounds=[],
+                            sm_clock_mhz_rounds=[],
+                            pipelined_ms_rounds=[],
+                        )
                     except Exception as exc:  # a failure is a result, not a skip
                         row.update(step_ms=None, first_call_s=None, error=_error(exc))
                 for round_ in range(args.rounds):
@@ -231,8 +247,11 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                 row["step_ms"] = round(statistics.median(times), 4) if ok else None
                 row["host_ms"] = round(statistics.median(host), 4) if ok else None
                 pipelined = row.get("pipelined_ms_rounds")
-                row["pipelined_ms"] = round(statistics.median(pipelined), 4) \
-                    if ok and pipelined and "pipelined_error" not in row else None
+                row["pipelined_ms"] = (
+                    round(statistics.median(pipelined), 4)
+                    if ok and pipelined and "pipelined_error" not in row
+                    else None
+                )
             fast_host_times(list(batch_rows.values()), host_speed.FASTEST_PROBE[0])
             _mark_process(list(batch_rows.values()), args)
             for row in batch_rows.values():
@@ -270,18 +289,23 @@ def first_output(variant: str, model_key: str, device: str) -> None:
 
     inductor = counters["inductor"]  # graphs Inductor compiled or loaded from its cache
     graphs = sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
-    row = {"seconds": round(seconds, 3), "inductor_graphs": graphs,
-           "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0),
-           "phases_s": _top_phases(*compile_times(repr="csv", aggregate=True))}
+    row = {
+        "seconds": round(seconds, 3),
+        "inductor_graphs": graphs,
+        "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0),
+        "phases_s": _top_phases(*compile_times(repr="csv", aggregate=True)),
+    }
     if compiling:  # where the time outside Dynamo's compile goes: before it starts, or in the first run
         row["before_compile_s"] = round(compiling[0] - start, 3)
         row["compile_s"] = round(compiling[-1] - compiling[0], 3)
         row["first_run_s"] = round(start + seconds - compiling[-1], 3)
     if variant == "piecewise":
         graph = piecewise_backend.compiled_graphs()[-1]
-        row["backend_s"] = {"build": round(graph.stats.build_seconds, 3),
-                            "inductor": round(graph.stats.inductor_seconds, 3),
-                            "capture": round(graph.stats.capture_seconds, 3)}
+        row["backend_s"] = {
+            "build": round(graph.stats.build_seconds, 3),
+            "inductor": round(graph.stats.inductor_seconds, 3),
+            "capture": round(graph.stats.capture_seconds, 3),
+        }
     print(json.dumps(row))
 
 
@@ -306,8 +330,17 @@ def startup_rows(args, device: str, rows: list) -> list[dict]:
         with tempfile.TemporaryDirectory() as cache:
             env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
             for start in ("cold", "warm"):
-                cmd = [sys.executable, __file__, "--first-output", variant, "--models", args.models[0],
-                       "--device", device]
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    __spec__.name,
+                    "--first-output",
+                    variant,
+                    "--models",
+                    args.models[0],
+                    "--device",
+                    device,
+                ]
                 row = {"model": args.models[0], "variant": variant, "start": start}
                 proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                 try:
@@ -327,11 +360,19 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="> 1: compile every variant first, then time them in turn, this many rounds")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="> 1: compile every variant first, then time them in turn, this many rounds",
+    )
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between interleaved rounds")
-    parser.add_argument("--settle", type=float, default=0.0,
-                        help="seconds a timed run may wait for the host to run at full speed (settled_probe)")
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=0.0,
+        help="seconds a timed run may wait for the host to run at full speed (settled_probe)",
+    )
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")

@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-import _checkout  # noqa: F401  (the checkout's toys/ on sys.path)
 from toys.idioms import WholeCacheLlama
 from toys.models import BENCHMARK_SIZES, ToyConfig, ToyLlama, ToyStaticCacheLlama, init_weights_, next_tokens
-
 
 MODELS = {
     **BENCHMARK_SIZES,

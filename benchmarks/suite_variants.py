@@ -14,15 +14,28 @@ import time
 import torch
 
 import piecewise_backend
-from plot import PINNED, base_variant
-from timing import HostTimed, pipelined_decode_ms, replay_ms, time_decode
+from benchmarks.plot import PINNED, base_variant
+from benchmarks.timing import HostTimed, pipelined_decode_ms, replay_ms, time_decode
 from toys.models import reset_caches, sdpa_backends
 
-
-BASE_VARIANTS = ("eager", "inductor", "reduce-overhead", "reduce-overhead+partition", "piecewise",
-                 "piecewise-kv-eager", "piecewise-eager-attention", "piecewise-skip-guards", "piecewise-no-clone",
-                 "piecewise-fast-call", "piecewise-full",
-                 "piecewise-full-skip-guards", "piecewise-full-static", "limit", "limit-full", "dynamo-floor")
+BASE_VARIANTS = (
+    "eager",
+    "inductor",
+    "reduce-overhead",
+    "reduce-overhead+partition",
+    "piecewise",
+    "piecewise-kv-eager",
+    "piecewise-eager-attention",
+    "piecewise-skip-guards",
+    "piecewise-no-clone",
+    "piecewise-fast-call",
+    "piecewise-full",
+    "piecewise-full-skip-guards",
+    "piecewise-full-static",
+    "limit",
+    "limit-full",
+    "dynamo-floor",
+)
 
 
 VARIANTS = BASE_VARIANTS + tuple(v + PINNED for v in BASE_VARIANTS)
@@ -36,8 +49,11 @@ def sdpa_setting(variant: str, device: str):
 # variant -> the variant it compiles as, decoded under skip_guard_eval_unsafe (same backend and
 # options: where that variant is in the same process and compiled first, Dynamo serves its cache
 # entries and this one compiles nothing of its own)
-SKIP_GUARDS = {"piecewise-skip-guards": "piecewise", "piecewise-full-skip-guards": "piecewise-full",
-               "piecewise-fast-call": "piecewise-no-clone"}
+SKIP_GUARDS = {
+    "piecewise-skip-guards": "piecewise",
+    "piecewise-full-skip-guards": "piecewise-full",
+    "piecewise-fast-call": "piecewise-no-clone",
+}
 
 
 def limit_graph(model, batch: int, prompt: int, device: str, tensor_pos: bool = False, inductor: bool = True):
@@ -80,7 +96,9 @@ def floor_backend(replay):
     def backend(gm, example_inputs):
         def run(*args):
             return (replay(),)
+
         return run
+
     return backend
 
 
@@ -98,12 +116,15 @@ def compiled_variant(variant: str, model, pinned: bool = False):
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": False, **inductor_extra})
     if variant == "reduce-overhead+partition":
         return torch.compile(model, options={"triton.cudagraphs": True, "graph_partition": True, **inductor_extra})
-    options = {"piecewise": {}, "piecewise-eager-attention": {"graph_attention": False},
-               "piecewise-kv-eager": {"capture_kv_writes": False, "graph_attention": False},
-               "piecewise-no-clone": {"clone_outputs": False},
-               "piecewise-full": {"mode": "full"},
-               # its masked attention over the whole cache: nothing to rewrite
-               "piecewise-full-static": {"mode": "full", "graph_attention": False}}
+    options = {
+        "piecewise": {},
+        "piecewise-eager-attention": {"graph_attention": False},
+        "piecewise-kv-eager": {"capture_kv_writes": False, "graph_attention": False},
+        "piecewise-no-clone": {"clone_outputs": False},
+        "piecewise-full": {"mode": "full"},
+        # its masked attention over the whole cache: nothing to rewrite
+        "piecewise-full-static": {"mode": "full", "graph_attention": False},
+    }
     if variant not in options:
         raise ValueError(variant)
     return torch.compile(model, backend="piecewise", options={**options[variant], **piecewise_extra} or None)
@@ -112,13 +133,17 @@ def compiled_variant(variant: str, model, pinned: bool = False):
 def piecewise_facts(graphs: list) -> dict:
     """What the backend made of the model: pieces, compiles, captures, copies per step."""
     main = max(graphs, key=lambda g: g.stats.calls)
-    return {"graphs": len(graphs), "pieces": main.stats.num_pieces,
-            "compute_pieces": main.stats.num_compute_pieces,
-            "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
-            "captures": sum(g.stats.captures for g in graphs),
-            "input_copies_per_step": round(sum(p.input_copies for p in main.stats.pieces.values())
-                                           / max(main.stats.calls, 1), 2),
-            "padding": main.stats.padding}
+    return {
+        "graphs": len(graphs),
+        "pieces": main.stats.num_pieces,
+        "compute_pieces": main.stats.num_compute_pieces,
+        "inductor_compiles": sum(g.stats.inductor_compiles for g in graphs),
+        "captures": sum(g.stats.captures for g in graphs),
+        "input_copies_per_step": round(
+            sum(p.input_copies for p in main.stats.pieces.values()) / max(main.stats.calls, 1), 2
+        ),
+        "padding": main.stats.padding,
+    }
 
 
 def inductor_compiles() -> dict:
@@ -134,8 +159,10 @@ def _since(before: dict) -> dict:
     from the cache, so that ``first_call_s`` says which it timed (the device runs keep Inductor's
     cache between calls on one machine)."""
     now = inductor_compiles()
-    return {"inductor_compiled": now["fxgraph_cache_miss"] - before["fxgraph_cache_miss"],
-            "inductor_cache_hits": now["fxgraph_cache_hit"] - before["fxgraph_cache_hit"]}
+    return {
+        "inductor_compiled": now["fxgraph_cache_miss"] - before["fxgraph_cache_miss"],
+        "inductor_cache_hits": now["fxgraph_cache_hit"] - before["fxgraph_cache_hit"],
+    }
 
 
 def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
@@ -144,12 +171,14 @@ def prepared_variant(variant: str, model, twin, batch: int, args, device: str):
     ``facts()`` giving the row's extra fields once the timing is done). Dynamo is not reset here: the sequential path
     resets before each variant, the interleaved one before each batch."""
     with sdpa_setting(variant, device):
-        first_s, measure, facts = _prepared(base_variant(variant), model, twin, batch, args, device,
-                                            pinned=variant.endswith(PINNED))
+        first_s, measure, facts = _prepared(
+            base_variant(variant), model, twin, batch, args, device, pinned=variant.endswith(PINNED)
+        )
 
     def measure_as_named(pipelined: bool = False):
         with sdpa_setting(variant, device):
             return measure(pipelined)
+
     return first_s, measure_as_named, facts
 
 
@@ -173,8 +202,11 @@ def _prepared(variant: str, model, twin, batch: int, args, device: str, pinned: 
     _, first_s = time_decode(step, target, batch, args.prompt, 4, device, tensor_pos=tensor_pos)
     compiles = _since(compiles_before)
 
-    stance = (lambda: torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)) if variant in SKIP_GUARDS \
+    stance = (
+        (lambda: torch.compiler.set_stance("default", skip_guard_eval_unsafe=True))
+        if variant in SKIP_GUARDS
         else contextlib.nullcontext
+    )
 
     def measure(pipelined: bool = False) -> tuple[float, float]:
         host = HostTimed(step)

@@ -1,7 +1,7 @@
 """Lazy capture inside a live process: another thread's CUDA work during captures, concurrent callers.
 
-    python benchmarks/threads.py --out threads.json [--calls 200] [--concurrent 400] [--capture-modes]
-    python benchmarks/threads.py --out /tmp/t.json --device cpu --calls 20 --concurrent 40   # smoke test
+    python -m benchmarks.threads --out threads.json [--calls 200] [--concurrent 400] [--capture-modes]
+    python -m benchmarks.threads --out /tmp/t.json --device cpu --calls 20 --concurrent 40   # smoke test
 
 The model is transformers' ``LlamaForCausalLM`` (4 layers, hidden 256, random weights, fp32), its
 ``forward`` compiled with ``backend="piecewise"`` and the batch marked dynamic, prompts of 8 tokens.
@@ -42,9 +42,7 @@ import warnings
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import _checkout  # noqa: E402,F401  (the repository root on sys.path)
-from toys.neighbour import Neighbour  # noqa: E402
+from toys.neighbour import Neighbour
 
 TOKENS = 8
 
@@ -52,8 +50,15 @@ TOKENS = 8
 def build_model(device: str):
     import transformers
 
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=4, vocab_size=1024, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg).to(device).eval()
 
@@ -85,10 +90,13 @@ def graph_totals(since: int) -> dict:
     misses = collections.Counter()
     for g in graphs:
         misses.update({str(k): v for k, v in g.stats.misses.items()})
-    return {"failed_captures": sum(g.stats.failed_captures for g in graphs),
-            "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
-            "replays": sum(g.stats.replays for g in graphs), "captures": sum(g.stats.captures for g in graphs),
-            "misses": dict(misses)}
+    return {
+        "failed_captures": sum(g.stats.failed_captures for g in graphs),
+        "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
+        "replays": sum(g.stats.replays for g in graphs),
+        "captures": sum(g.stats.captures for g in graphs),
+        "misses": dict(misses),
+    }
 
 
 def last_serial() -> int:
@@ -117,9 +125,15 @@ def background(device: str, calls: int, seed: int = 0, own_generator: bool = Fal
             wrong += not close(out, model(ids).logits)
         seconds = time.perf_counter() - start
         other.finish()
-    return {"background_errors": other.error_count, "background_error_kinds": other.errors,
-            "background_iterations": other.iterations, "background_calls": calls, "background_wrong": wrong,
-            "background_seconds": round(seconds, 1), **graph_totals(since)}
+    return {
+        "background_errors": other.error_count,
+        "background_error_kinds": other.errors,
+        "background_iterations": other.iterations,
+        "background_calls": calls,
+        "background_wrong": wrong,
+        "background_seconds": round(seconds, 1),
+        **graph_totals(since),
+    }
 
 
 def concurrent(device: str, calls: int, threads: int = 2) -> dict:
@@ -155,8 +169,12 @@ def concurrent(device: str, calls: int, threads: int = 2) -> dict:
         w.start()
     for w in workers:
         w.join()
-    return {"concurrent_calls": counts["calls"], "concurrent_wrong": counts["wrong"],
-            "concurrent_errors": counts["errors"], "concurrent_threads": threads}
+    return {
+        "concurrent_calls": counts["calls"],
+        "concurrent_wrong": counts["wrong"],
+        "concurrent_errors": counts["errors"],
+        "concurrent_threads": threads,
+    }
 
 
 class _nothing:
@@ -203,14 +221,27 @@ def single_thread_overhead_us(device: str, rounds: int = 9, calls: int = 200_000
                 run()
             times[name] = (time.perf_counter() - start) / calls
         diffs.append((times["guarded"] - times["bare"]) * 1e6)
-    return {"single_thread_overhead_us": round(statistics.median(diffs), 3),
-            "single_thread_overhead_rounds_us": [round(d, 3) for d in diffs]}
+    return {
+        "single_thread_overhead_us": round(statistics.median(diffs), 3),
+        "single_thread_overhead_rounds_us": [round(d, 3) for d in diffs],
+    }
 
 
 def _run_child(mode: str, args) -> dict:
     """The background scenario with an older capture, in a process of its own (``--as-mode``)."""
-    cmd = [sys.executable, __file__, "--as-mode", mode, "--calls", str(args.calls), "--device", args.device,
-           "--out", "-"]
+    cmd = [
+        sys.executable,
+        "-m",
+        __spec__.name,
+        "--as-mode",
+        mode,
+        "--calls",
+        str(args.calls),
+        "--device",
+        args.device,
+        "--out",
+        "-",
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
     except subprocess.TimeoutExpired:
@@ -257,7 +288,7 @@ def main() -> None:
         _as_mode(args.as_mode)
         print(json.dumps(background(args.device, args.calls)))
         return
-    from record import code_hash
+    from benchmarks.record import code_hash
 
     result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
     result.update(background(args.device, args.calls))

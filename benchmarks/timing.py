@@ -31,8 +31,9 @@ def timed(fn, device: str):
     return out, (time.perf_counter() - start) * 1e3
 
 
-def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False,
-                mark_batch: bool = True) -> tuple[float, float]:
+def time_decode(
+    step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False, mark_batch: bool = True
+) -> tuple[float, float]:
     """Prefill ``prompt`` random tokens at ``batch``, then ``steps`` greedy decode steps, KV growing.
 
     Returns (median ms per decode step over the second half, seconds of the first call).
@@ -56,7 +57,7 @@ def time_decode(step, model, batch: int, prompt: int, steps: int, device: str, t
         logits, ms = timed(lambda: step(ids, where(pos, 1)), device)
         times.append(ms)
         pos += 1
-    return statistics.median(times[steps // 2:]), first_call
+    return statistics.median(times[steps // 2 :]), first_call
 
 
 def _probe_work() -> int:
@@ -86,7 +87,7 @@ def host_probe_us(reps: int = 15) -> float:
 def second_half(values: list, steps: int) -> list:
     """The second half of the last ``steps`` values: the decode steps past warm-up (a prefill, when
     there was one, comes before them)."""
-    return values[-steps:][steps // 2:]
+    return values[-steps:][steps // 2 :]
 
 
 class HostTimed:
@@ -143,8 +144,9 @@ class GpuTimed:
         return statistics.median(begin.elapsed_time(end) for begin, end in second_half(self.marks, steps))
 
 
-def pipelined_decode_ms(step, model, batch: int, prompt: int, steps: int, device: str,
-                        tensor_pos: bool = False) -> float:
+def pipelined_decode_ms(
+    step, model, batch: int, prompt: int, steps: int, device: str, tensor_pos: bool = False
+) -> float:
     """``time_decode``'s decode (prefill ``prompt`` tokens, ``steps`` greedy steps, KV growing) without
     waiting for the GPU between steps: the median GPU ms per step over the second half."""
     reset_caches(model)
@@ -171,8 +173,12 @@ def sm_clock_mhz(device: str) -> int | None:
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     target = f"GPU-{uuid}" if uuid is not None else str(torch.cuda.current_device())
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", target],
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm", "--format=csv,noheader,nounits", "-i", target],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         return int(out.stdout.split()[0])
     except (OSError, ValueError, IndexError, subprocess.SubprocessError):
         return None

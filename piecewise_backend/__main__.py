@@ -32,14 +32,16 @@ class _Layer(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
         B, S, H = x.shape
-        q, k, v = (t.view(B, S, self.heads, self.head_dim).transpose(1, 2)
-                   for t in self.qkv(self.attn_norm(x)).chunk(3, dim=-1))
-        self.k_cache[:B, :, pos:pos + S] = k  # the KV cache write at this step's position
-        self.v_cache[:B, :, pos:pos + S] = v
+        q, k, v = (
+            t.view(B, S, self.heads, self.head_dim).transpose(1, 2)
+            for t in self.qkv(self.attn_norm(x)).chunk(3, dim=-1)
+        )
+        self.k_cache[:B, :, pos : pos + S] = k  # the KV cache write at this step's position
+        self.v_cache[:B, :, pos : pos + S] = v
         if S > 1:  # the prompt, from position 0: causal within it
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # a decode step: the new token attends to everything cached so far
-            o = F.scaled_dot_product_attention(q, self.k_cache[:B, :, :pos + 1], self.v_cache[:B, :, :pos + 1])
+            o = F.scaled_dot_product_attention(q, self.k_cache[:B, :, : pos + 1], self.v_cache[:B, :, : pos + 1])
         x = x + self.out(o.transpose(1, 2).reshape(B, S, H))
         gate, up = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -92,7 +94,7 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         before = _label_new(labels, before, f"decode, first at batch {batch}")
-    return statistics.median(times[steps // 2:]) * 1e3
+    return statistics.median(times[steps // 2 :]) * 1e3
 
 
 def _show_pieces(graph) -> None:
@@ -116,8 +118,18 @@ def main(argv=None) -> None:
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     hidden, layers, prompt = (1024, args.layers or 16, 128) if cuda else (64, args.layers or 2, 8)
-    model = DemoDecoder(vocab=512, hidden=hidden, layers=layers, heads=8 if cuda else 4,
-                        max_batch=max(args.batches), max_seq=prompt + args.steps + 1).to(device, dtype).eval()
+    model = (
+        DemoDecoder(
+            vocab=512,
+            hidden=hidden,
+            layers=layers,
+            heads=8 if cuda else 4,
+            max_batch=max(args.batches),
+            max_seq=prompt + args.steps + 1,
+        )
+        .to(device, dtype)
+        .eval()
+    )
     print(f"demo decoder: {layers} layers, hidden {hidden}, {dtype}, on {device}")
     if not cuda:
         print("No CUDA here: pieces run compiled with Inductor but un-graphed (same API, same results).")
@@ -130,8 +142,13 @@ def main(argv=None) -> None:
         _decode_ms(compiled, model.vocab, 1, prompt, 2, device, labels)
         print(f"first calls (compile + prefill + first decodes): {time.perf_counter() - start:.1f} s")
         for batch in args.batches:
-            rows.append((batch, _decode_ms(model, model.vocab, batch, prompt, args.steps, device),
-                         _decode_ms(compiled, model.vocab, batch, prompt, args.steps, device, labels)))
+            rows.append(
+                (
+                    batch,
+                    _decode_ms(model, model.vocab, batch, prompt, args.steps, device),
+                    _decode_ms(compiled, model.vocab, batch, prompt, args.steps, device, labels),
+                )
+            )
 
     _show_pieces(max(compiled_graphs(), key=lambda g: g.stats.calls))  # the decode graph
     for g in compiled_graphs():

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.fx
@@ -32,14 +33,14 @@ from .compiling.piece_compiler import PieceCompiler, compile_pieces
 from .config import PiecewiseConfig
 from .fx import graph_facts as facts
 from .op_names import GRAPH_ATTENTION_OP
-from .plan.making import graphs_disabled_reason, make_plan
+from .persist.artifact import SaveableGraph
+from .persist.compile_behind import CompileBehind, job_of
 from .plan.inputs import GraphInputs
+from .plan.making import graphs_disabled_reason, make_plan
 from .plan.types import GraphPlan, TensorSpec
 from .registry import register
 from .rewrite import kv_written_inputs, rewrite_decode
 from .rewrite.graph_attention import mark_attention_paths
-from .persist.artifact import SaveableGraph
-from .persist.compile_behind import CompileBehind, job_of
 from .runtime.compiled_graph import CompiledGraph
 from .split.in_place_writes import written_in_place
 from .split.splitting import SplitGraph, split_graph
@@ -50,8 +51,13 @@ log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
 _TORCH_COMPILE_MODES = (None, "default", "reduce-overhead")  # torch.compile(mode=...) this backend does anyway
 
 
-def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[str, Any] | None = None,
-              mode: str | None = None, **kwargs) -> CompiledGraph:
+def piecewise(
+    gm: torch.fx.GraphModule,
+    example_inputs: list,
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+    **kwargs,
+) -> CompiledGraph:
     """The backend Dynamo calls: ``torch.compile(model, backend="piecewise", options={...})``.
 
     ``mode``: torch.compile hands a custom backend its ``mode`` when it is not "default".
@@ -59,12 +65,15 @@ def piecewise(gm: torch.fx.GraphModule, example_inputs: list, options: Mapping[s
     Inductor's other modes are refused by name rather than ignored.
     """
     if kwargs:
-        raise TypeError(f"piecewise: unexpected arguments {sorted(kwargs)}; pass settings as "
-                        f"torch.compile(..., options={{...}}).")
+        raise TypeError(
+            f"piecewise: unexpected arguments {sorted(kwargs)}; pass settings as torch.compile(..., options={{...}})."
+        )
     if mode not in _TORCH_COMPILE_MODES:
-        raise ValueError(f"piecewise: mode={mode!r} is not supported: this backend always captures CUDA "
-                         f"graphs per shape (what 'reduce-overhead' asks for) and compiles its pieces with "
-                         f"Inductor's defaults. Leave mode out, or pass 'default' or 'reduce-overhead'.")
+        raise ValueError(
+            f"piecewise: mode={mode!r} is not supported: this backend always captures CUDA "
+            f"graphs per shape (what 'reduce-overhead' asks for) and compiles its pieces with "
+            f"Inductor's defaults. Leave mode out, or pass 'default' or 'reduce-overhead'."
+        )
     return build(gm, example_inputs, PiecewiseConfig.from_options(options))
 
 
@@ -77,16 +86,22 @@ def build(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseConfi
     with _torch_internals.lazy_graph_modules():  # code only for the graph modules that run
         inputs = _rewrite(gm, example_inputs, config)
         split = _split(inputs, config)
-        compiler = PieceCompiler(inputs.fake_mode, split.step_symbols, _attention_ops(config),
-                                 inductor=config.compiler == "inductor")
+        compiler = PieceCompiler(
+            inputs.fake_mode, split.step_symbols, _attention_ops(config), inductor=config.compiler == "inductor"
+        )
         run = compile_pieces(split.graph_module, split.compute_names, inputs.fake_inputs, compiler)
         plan = make_plan(config, inputs, split, run.pieces, run.fake_outputs, run.node_values, compiler)
         compiled = {name: piece.fn if compiler.inductor else None for name, piece in run.pieces.items()}
         del run  # fake values of every intermediate: the plan keeps none
     graph = register(SaveableGraph(plan, compiled))
     if serve_first and plan.pieces and plan.graphs_disabled_reason is None:  # else: nothing to switch to
-        CompileBehind.shared(device).submit(job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
-                                            _attention_ops(config), graph.code_switch.post, plan, str(graph.serial))
+        CompileBehind.shared(device).submit(
+            job_of(plan, _torch_internals.symbol_hints(inputs.fake_mode)),
+            _attention_ops(config),
+            graph.code_switch.post,
+            plan,
+            str(graph.serial),
+        )
     graph.stats.build_seconds = time.perf_counter() - started
     _log_built(graph, plan, config)
     return graph
@@ -103,8 +118,10 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
     fake_mode = _torch_internals.detect_fake_mode(example_inputs)
     placeholders = facts.placeholders(gm.graph)
     if fake_mode is None or any(facts.example_value(n) is None for n in placeholders):
-        raise RuntimeError("piecewise: the graph has no fake example values; it must come from "
-                           "torch.compile (Dynamo), not be called directly on an FX graph.")
+        raise RuntimeError(
+            "piecewise: the graph has no fake example values; it must come from "
+            "torch.compile (Dynamo), not be called directly on an FX graph."
+        )
     if config.compiler == "inductor" and any(isinstance(v, torch.Tensor) and v.is_cuda for v in example_inputs):
         _torch_internals.warm_compile_workers()  # ready by the time the first piece reaches Triton
     static_names = {n.name for n in placeholders if _torch_internals.is_static_input(n)}
@@ -113,10 +130,15 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: list, config: PiecewiseCo
         static_names |= written_in_place(gm.graph, steps) | kv_written_inputs(gm.graph, steps)
     _log_graph("piecewise input graph", gm)
     fake_inputs = _torch_internals.fakify_inputs(example_inputs, fake_mode)
-    off = graphs_disabled_reason(config, example_inputs, [n.name for n in placeholders],
-                                 facts.python_scalar_inputs(gm.graph))
-    mark_attention_paths(gm.graph, static_names, facts.step_symbols(gm.graph),
-                         off or (None if config.graph_attention else "graph_attention=False in options"))
+    off = graphs_disabled_reason(
+        config, example_inputs, [n.name for n in placeholders], facts.python_scalar_inputs(gm.graph)
+    )
+    mark_attention_paths(
+        gm.graph,
+        static_names,
+        facts.step_symbols(gm.graph),
+        off or (None if config.graph_attention else "graph_attention=False in options"),
+    )
     found = None
     if (config.capture_kv_writes or config.graph_attention) and off is None:
         found = rewrite_decode(gm, static_names, config.capture_kv_writes, config.graph_attention)
@@ -131,9 +153,13 @@ def _split(inputs: GraphInputs, config: PiecewiseConfig) -> SplitGraph:
     the graph's parameters/buffers; the decode rewrite's masked writes may be captured in any mode,
     and so may index writes and fixed-size updates of inputs used in place (``in_place_writes.py``)."""
     writable = (inputs.static_names if config.mode == "full" else frozenset()) | inputs.masked_buffers
-    result = split_graph(inputs.graph_module, config.all_splitting_ops, writable,
-                         fixed_attention=config.graph_attention,
-                         in_place=inputs.static_names if config.capture_kv_writes else frozenset())
+    result = split_graph(
+        inputs.graph_module,
+        config.all_splitting_ops,
+        writable,
+        fixed_attention=config.graph_attention,
+        in_place=inputs.static_names if config.capture_kv_writes else frozenset(),
+    )
     _log_graph("piecewise split graph", result.graph_module)
     for spec in result.pieces:
         _log_graph(f"piecewise {spec.name} {spec.kind}", getattr(result.graph_module, spec.name))
@@ -148,16 +174,29 @@ def _log_graph(title: str, gm: torch.fx.GraphModule) -> None:
 
 def _log_built(graph: CompiledGraph, plan: GraphPlan, config: PiecewiseConfig) -> None:
     stats, pieces = graph.stats, plan.piece_specs
-    devices = {v.device.type for i, v in enumerate(plan.inputs.specs)
-               if isinstance(v, TensorSpec) and i not in plan.inputs.python_scalars}
+    devices = {
+        v.device.type
+        for i, v in enumerate(plan.inputs.specs)
+        if isinstance(v, TensorSpec) and i not in plan.inputs.python_scalars
+    }
     if plan.graphs_disabled_reason is not None and "cuda" in devices and len(devices) > 1:
         # a CUDA model with a stray input elsewhere (a CPU counter in a cache object): the user did not
         # ask for eager, so say it loudly (a CPU-only model is un-graphed by nature: no warning)
         log.warning("piecewise: graph %d runs un-graphed: %s", graph.serial, plan.graphs_disabled_reason)
     if config.mode == "full" and len(pieces) > 1:
-        log.warning("piecewise: graph %d: full mode, but %d nodes must run eagerly, so it is captured in %d "
-                    "pieces: %s", graph.serial, sum(len(p.eager_reasons) for p in pieces), len(plan.pieces),
-                    "; ".join(r for p in pieces for r in p.eager_reasons[:1]))
-    log.info("piecewise: compiled graph %d: %d pieces (%d compute), %d Inductor compiles; graphs: %s; padding: %s",
-             graph.serial, stats.num_pieces, stats.num_compute_pieces, stats.inductor_compiles,
-             plan.graphs_disabled_reason or "per shape key", plan.padding.note)
+        log.warning(
+            "piecewise: graph %d: full mode, but %d nodes must run eagerly, so it is captured in %d pieces: %s",
+            graph.serial,
+            sum(len(p.eager_reasons) for p in pieces),
+            len(plan.pieces),
+            "; ".join(r for p in pieces for r in p.eager_reasons[:1]),
+        )
+    log.info(
+        "piecewise: compiled graph %d: %d pieces (%d compute), %d Inductor compiles; graphs: %s; padding: %s",
+        graph.serial,
+        stats.num_pieces,
+        stats.num_compute_pieces,
+        stats.inductor_compiles,
+        plan.graphs_disabled_reason or "per shape key",
+        plan.padding.note,
+    )

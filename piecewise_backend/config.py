@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .op_names import DEFAULT_SPLITTING_OPS, validate_op_names
 
@@ -30,8 +31,10 @@ def scheme_sizes(scheme: str, max_size: int) -> tuple[int, ...]:
     elif scheme == "powers_of_two":
         sizes = {1 << i for i in range(max_size.bit_length())}
     else:
-        raise ValueError(f"piecewise: unknown capture scheme {scheme!r}; use one of "
-                         f"{', '.join(map(repr, CAPTURE_SCHEMES))} or a list of sizes.")
+        raise ValueError(
+            f"piecewise: unknown capture scheme {scheme!r}; use one of "
+            f"{', '.join(map(repr, CAPTURE_SCHEMES))} or a list of sizes."
+        )
     return tuple(sorted(s for s in sizes | {max_size} if s <= max_size))
 
 
@@ -164,7 +167,7 @@ class PiecewiseConfig:
         return tuple(sorted(set(sizes), reverse=True))
 
     @classmethod
-    def from_options(cls, options: Mapping[str, Any] | None) -> "PiecewiseConfig":
+    def from_options(cls, options: Mapping[str, Any] | None) -> PiecewiseConfig:
         """Validate a user's ``options`` mapping; raise ValueError/TypeError that say how to fix it."""
         options = dict(options or {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -176,8 +179,15 @@ class PiecewiseConfig:
                 f"piecewise: unknown option(s) {', '.join(map(repr, unknown))}.{hints} "
                 f"Accepted options: {', '.join(sorted(fields))}."
             )
-        for key in ("cudagraphs", "clone_outputs", "padding", "lazy_capture", "defer_captures", "capture_kv_writes",
-                    "graph_attention"):
+        for key in (
+            "cudagraphs",
+            "clone_outputs",
+            "padding",
+            "lazy_capture",
+            "defer_captures",
+            "capture_kv_writes",
+            "graph_attention",
+        ):
             if key in options and not isinstance(options[key], bool):
                 raise TypeError(f"piecewise: option {key!r} must be True or False, got {options[key]!r}.")
         if "warmup_runs" in options:
@@ -185,11 +195,14 @@ class PiecewiseConfig:
         if "max_weight_sets" in options:
             _check_int(options["max_weight_sets"], "max_weight_sets", minimum=1)
         if options.get("mode", "piecewise") not in SPLIT_MODES:
-            raise ValueError(f"piecewise: option 'mode' must be one of {', '.join(map(repr, SPLIT_MODES))}, "
-                             f"got {options['mode']!r}.")
+            raise ValueError(
+                f"piecewise: option 'mode' must be one of {', '.join(map(repr, SPLIT_MODES))}, got {options['mode']!r}."
+            )
         if options.get("compiler", "inductor") not in COMPILERS:
-            raise ValueError(f"piecewise: option 'compiler' must be one of {', '.join(map(repr, COMPILERS))}, "
-                             f"got {options['compiler']!r}.")
+            raise ValueError(
+                f"piecewise: option 'compiler' must be one of {', '.join(map(repr, COMPILERS))}, "
+                f"got {options['compiler']!r}."
+            )
         for key in ("splitting_ops", "extra_splitting_ops", "row_independent_ops"):
             if key in options:
                 value = options[key]
@@ -203,8 +216,9 @@ class PiecewiseConfig:
             if options.get(key) is not None:
                 _check_int(options[key], key, minimum=0, hint="or None for no cap")
         if options.get("max_unreplayed_captures") is not None:
-            _check_int(options["max_unreplayed_captures"], "max_unreplayed_captures", minimum=1,
-                       hint="or None for no limit")
+            _check_int(
+                options["max_unreplayed_captures"], "max_unreplayed_captures", minimum=1, hint="or None for no limit"
+            )
         _check_sizes(options)
         if "eager_sdpa_backends" in options:
             options["eager_sdpa_backends"] = _sdpa_backends(options["eager_sdpa_backends"])
@@ -213,14 +227,14 @@ class PiecewiseConfig:
 
 def _check_int(value, key: str, minimum: int, hint: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"piecewise: option {key!r} must be an int >= {minimum}"
-                         f"{' ' + hint if hint else ''}, got {value!r}.")
+        raise ValueError(
+            f"piecewise: option {key!r} must be an int >= {minimum}{' ' + hint if hint else ''}, got {value!r}."
+        )
 
 
 def _size_list(value, key: str) -> tuple[int, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, set, frozenset, range)):
-        raise TypeError(f"piecewise: option {key!r} must be a list of batch sizes like [1, 2, 4, 8], "
-                        f"got {value!r}.")
+        raise TypeError(f"piecewise: option {key!r} must be a list of batch sizes like [1, 2, 4, 8], got {value!r}.")
     bad = [v for v in value if isinstance(v, bool) or not isinstance(v, int) or v < 1]
     if bad:
         raise ValueError(f"piecewise: option {key!r} holds {bad!r}; sizes must be ints >= 1.")
@@ -238,23 +252,30 @@ def _check_sizes(options: dict) -> None:
     else:
         resolved = _size_list(sizes, "capture_sizes")
         if not resolved:
-            raise ValueError("piecewise: option 'capture_sizes' is empty; give at least one size, "
-                             "or set cudagraphs=False for no graphs.")
+            raise ValueError(
+                "piecewise: option 'capture_sizes' is empty; give at least one size, "
+                "or set cudagraphs=False for no graphs."
+            )
         if max_size is not None and max_size != resolved[-1]:
-            raise ValueError(f"piecewise: max_capture_size={max_size} contradicts capture_sizes "
-                             f"(largest {resolved[-1]}); with a list, leave max_capture_size out.")
+            raise ValueError(
+                f"piecewise: max_capture_size={max_size} contradicts capture_sizes "
+                f"(largest {resolved[-1]}); with a list, leave max_capture_size out."
+            )
         options["capture_sizes"] = resolved
     eager = options.get("eager_capture_sizes", ())
     if eager == "all":
         return
     eager = _size_list(eager, "eager_capture_sizes") if not isinstance(eager, str) else None
     if eager is None:
-        raise ValueError(f"piecewise: option 'eager_capture_sizes' must be a list of capture "
-                         f"sizes or 'all', got {options['eager_capture_sizes']!r}.")
+        raise ValueError(
+            f"piecewise: option 'eager_capture_sizes' must be a list of capture "
+            f"sizes or 'all', got {options['eager_capture_sizes']!r}."
+        )
     missing = [s for s in eager if s not in resolved]
     if missing:
-        raise ValueError(f"piecewise: eager_capture_sizes {missing} are not capture sizes; "
-                         f"capture sizes are {_short(resolved)}.")
+        raise ValueError(
+            f"piecewise: eager_capture_sizes {missing} are not capture sizes; capture sizes are {_short(resolved)}."
+        )
     options["eager_capture_sizes"] = eager
 
 
@@ -267,6 +288,8 @@ def _sdpa_backends(value):
         return value
     names = (value,) if isinstance(value, str) else value
     if not isinstance(names, (list, tuple)) or not names or any(n not in SDPA_BACKENDS for n in names):
-        raise ValueError(f"piecewise: option 'eager_sdpa_backends' must be 'auto', 'torch' or a non-empty "
-                         f"list of {', '.join(map(repr, SDPA_BACKENDS))}; got {value!r}.")
+        raise ValueError(
+            f"piecewise: option 'eager_sdpa_backends' must be 'auto', 'torch' or a non-empty "
+            f"list of {', '.join(map(repr, SDPA_BACKENDS))}; got {value!r}."
+        )
     return tuple(dict.fromkeys(names))

@@ -127,6 +127,8 @@ def while_running(op) -> str:
     name = canonical_op_name(op) or str(op)
     if name.split("::")[0] in ("aten", "prims"):
         return f" while running {name}"
-    return (f" while running {name}, a custom op: if it must not be captured (host code, state outside its "
-            f"arguments), name it in extra_splitting_ops=[{name!r}] or tag it where it is defined: "
-            f"torch.library.custom_op(..., tags=(torch.Tag.cudagraph_unsafe,))")
+    return (
+        f" while running {name}, a custom op: if it must not be captured (host code, state outside its "
+        f"arguments), name it in extra_splitting_ops=[{name!r}] or tag it where it is defined: "
+        f"torch.library.custom_op(..., tags=(torch.Tag.cudagraph_unsafe,))"
+    )

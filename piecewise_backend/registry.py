@@ -10,14 +10,14 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from .runtime.devices import device_index, pool_bytes, synchronize
 from .runtime.memory_estimate import estimate
 
-_GRAPHS: "weakref.WeakSet" = weakref.WeakSet()
+_GRAPHS: weakref.WeakSet = weakref.WeakSet()
 _SERIALS = itertools.count(1)
 
 
@@ -42,8 +42,10 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
     """
     able, reasons = _able_to_capture()
     if not able:
-        warnings.warn(f"piecewise: capture({sizes!r}) captured nothing: no compiled graph can capture up front "
-                      f"({reasons})", stacklevel=2)
+        warnings.warn(
+            f"piecewise: capture({sizes!r}) captured nothing: no compiled graph can capture up front ({reasons})",
+            stacklevel=2,
+        )
     return {g.serial: g.capture(sizes) for g in able}
 
 

@@ -8,7 +8,6 @@ from piecewise_backend.config import PiecewiseConfig
 from piecewise_backend.split.splitting import split_graph
 from toys.models import decode_loop, reset_caches
 
-
 # Options for tests of the split path: decode attention stays an eager piece between the graphs.
 # Those tests count pieces, copies and the attention pieces' code; they pin ``graph_attention``
 # off so that they keep testing that path whatever the default is (``graph_attention`` makes the
@@ -91,8 +90,9 @@ def last_serial() -> int:
     return graphs[-1].serial if graphs else 0
 
 
-def decode_at_sizes(compiled, reference, sizes, steps: int = 2, device="cpu", static_cache=False, seed=0,
-                    start_pos: int = 0):
+def decode_at_sizes(
+    compiled, reference, sizes, steps: int = 2, device="cpu", static_cache=False, seed=0, start_pos: int = 0
+):
     """Decode steps at each batch size in ``sizes`` through ``compiled`` and through ``reference``
     (an identical eager copy), marking the batch dynamic; returns (size, compiled out, eager out).
 
@@ -114,8 +114,9 @@ def decode_at_sizes(compiled, reference, sizes, steps: int = 2, device="cpu", st
 def assert_results_close(results, atol=1e-4, rtol=1e-4):
     for i, (size, actual, expected) in enumerate(results):
         assert actual.shape == expected.shape, (size, actual.shape, expected.shape)
-        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"call {i} (batch {size}): {m}")
+        torch.testing.assert_close(
+            actual, expected, atol=atol, rtol=rtol, msg=lambda m: f"call {i} (batch {size}): {m}"
+        )
 
 
 class Encoder(torch.nn.Module):

@@ -17,8 +17,14 @@ import torch.nn.functional as F
 from piecewise_backend.kinds import PieceKind
 from toys.models import ToyConfig, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes
-from .helpers import last_serial
+from .helpers import (
+    SPLIT_ATTENTION,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    last_serial,
+)
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
@@ -106,7 +112,9 @@ def test_index_writes_of_a_callers_tensor_are_captured_into_that_tensor():
     theirs = (torch.zeros(2, 8, 4), torch.zeros((), dtype=torch.long))
     for step in range(5):
         x, position = torch.randn(2, 1, 4), torch.tensor([step])
-        torch.testing.assert_close(compiled(x, mine[0], position, mine[1]), IndexWrites()(x, theirs[0], position, theirs[1]))
+        torch.testing.assert_close(
+            compiled(x, mine[0], position, mine[1]), IndexWrites()(x, theirs[0], position, theirs[1])
+        )
     assert torch.equal(mine[0], theirs[0]) and int(mine[1]) == int(theirs[1]) == 5
     graph = busiest_graph(start)
     assert graph.stats.num_pieces == 1 and graph.stats.replays > 0, graph.stats.summary()
@@ -164,8 +172,8 @@ class FullWindowModel(CatCacheModel):
     def forward(self, x, past_k, past_v, attention_mask):
         b, s, d = x.shape
         q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
-        k = torch.cat([past_k, k], dim=2)[:, :, -self.window:]
-        v = torch.cat([past_v, v], dim=2)[:, :, -self.window:]
+        k = torch.cat([past_k, k], dim=2)[:, :, -self.window :]
+        v = torch.cat([past_v, v], dim=2)[:, :, -self.window :]
         total = attention_mask.shape[1]
         columns = torch.arange(self.window) + (total - self.window)
         mask = attention_mask.bool()[torch.arange(b)[:, None], columns[None, :]][:, None, None, :]

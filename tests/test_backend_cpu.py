@@ -79,8 +79,11 @@ def test_cpu_graphs_count_their_batch_sizes_and_claim_no_padding(llama_run):
 
 def test_capture_on_cpu_warns_with_each_graphs_reason(llama_run, monkeypatch):
     monkeypatch.setattr(piecewise_backend.registry, "compiled_graphs", lambda: llama_run[1])  # not other tests'
-    with pytest.warns(UserWarning, match=r"captured nothing: no compiled graph can capture up front.*"
-                                         r"graphs need CUDA tensors; inputs are on cpu"):
+    with pytest.warns(
+        UserWarning,
+        match=r"captured nothing: no compiled graph can capture up front.*"
+        r"graphs need CUDA tensors; inputs are on cpu",
+    ):
         assert piecewise_backend.capture([1, 2]) == {}
 
 

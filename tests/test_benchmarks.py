@@ -7,22 +7,22 @@ import sys
 import pytest
 import torch
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from benchmarks import (
+    host_speed,
+    plot,
+    record,
+    suite,
+    suite_models,
+    suite_variants,
+    timing,
+)
 
-import host_speed  # noqa: E402
-import plot  # noqa: E402
-import record  # noqa: E402
-import suite  # noqa: E402
-import suite_models  # noqa: E402
-import suite_variants  # noqa: E402
-import timing  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
 def test_suite_rows_include_failures_as_rows():
-    args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=4,
-                              prompt=4)
+    args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=4, prompt=4)
     rows = suite.decode_rows(args, "cpu", [])
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"eager", "piecewise", "limit"}
@@ -39,8 +39,11 @@ def test_suite_rows_include_failures_as_rows():
     # what first_call_s timed: the piecewise warm-up compiled (or loaded) every piece of its graphs
     # (prefill and decode), eager nothing
     piecewise = by_variant["piecewise"]
-    assert piecewise["inductor_compiled"] + piecewise["inductor_cache_hits"] \
-        == piecewise["piecewise"]["inductor_compiles"] >= 3, piecewise
+    assert (
+        piecewise["inductor_compiled"] + piecewise["inductor_cache_hits"]
+        == piecewise["piecewise"]["inductor_compiles"]
+        >= 3
+    ), piecewise
     assert by_variant["eager"]["inductor_compiled"] == by_variant["eager"]["inductor_cache_hits"] == 0
 
 
@@ -49,12 +52,21 @@ def test_rows_say_their_sdpa_setting_and_a_pinned_twin_compiles_its_own_graphs()
     """Rows run with torch's SDPA defaults unless the variant's name says pinned; the pinned twin,
     interleaved in the same process, must not be served the unpinned variant's compiled graphs
     (Inductor picks SDPA's kernel at compile time)."""
-    args = argparse.Namespace(models=["tiny"], batches=[2], steps=3, prompt=4, rounds=2,
-                              variants=["piecewise", "piecewise+pinned-sdpa", "inductor", "inductor+pinned-sdpa"])
+    args = argparse.Namespace(
+        models=["tiny"],
+        batches=[2],
+        steps=3,
+        prompt=4,
+        rounds=2,
+        variants=["piecewise", "piecewise+pinned-sdpa", "inductor", "inductor+pinned-sdpa"],
+    )
     rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
     assert {v: r["sdpa"] for v, r in rows.items()} == {
-        "piecewise": "torch default", "piecewise+pinned-sdpa": "pinned flash/efficient",
-        "inductor": "torch default", "inductor+pinned-sdpa": "pinned flash/efficient"}
+        "piecewise": "torch default",
+        "piecewise+pinned-sdpa": "pinned flash/efficient",
+        "inductor": "torch default",
+        "inductor+pinned-sdpa": "pinned flash/efficient",
+    }
     assert all(r["step_ms"] > 0 for r in rows.values()), rows
     assert rows["piecewise+pinned-sdpa"]["piecewise"]["compute_pieces"] == 3  # graphs of its own
     pinned = rows["inductor+pinned-sdpa"]
@@ -69,8 +81,9 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
     # moment of a shared machine could leave none of these rounds within it
     monkeypatch.setattr(host_speed, "FASTEST_PROBE", [float("inf")])
 
-    args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=3,
-                              prompt=4, rounds=3)
+    args = argparse.Namespace(
+        models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=3, prompt=4, rounds=3
+    )
     rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
     for variant in ("eager", "piecewise"):
         assert len(rows[variant]["step_ms_rounds"]) == 3, rows[variant]
@@ -85,7 +98,8 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
         # CI host once left none), the rule is
         fastest = rows[variant]["host_probe_fastest_us"]
         assert rows[variant]["fast_host_rounds"] == sum(
-            p <= host_speed.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]), rows[variant]
+            p <= host_speed.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]
+        ), rows[variant]
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
 
@@ -96,13 +110,16 @@ def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
 
     model = suite_models.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
     runs = []
-    for decode in (lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0], lambda step: timing.pipelined_decode_ms(
-            step, model, 2, 4, 5, "cpu")):
+    for decode in (
+        lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0],
+        lambda step: timing.pipelined_decode_ms(step, model, 2, 4, 5, "cpu"),
+    ):
         calls = []
 
         def step(ids, pos):
             calls.append((ids.clone(), pos))
             return model(ids, pos)
+
         torch.manual_seed(0)
         with torch.inference_mode():
             assert decode(step) > 0
@@ -127,8 +144,14 @@ def test_a_failed_pipelined_run_keeps_the_rows_waiting_times():
 def test_skip_guards_variant_decodes_its_base_variants_graphs():
     """``piecewise-full-skip-guards`` must time full mode's own graphs with guards skipped, not
     compile something else (``piecewise`` default, say) under that name."""
-    args = argparse.Namespace(models=["tiny"], batches=[2], steps=3, prompt=4, rounds=2,
-                              variants=["piecewise-full", "piecewise-full-skip-guards"])
+    args = argparse.Namespace(
+        models=["tiny"],
+        batches=[2],
+        steps=3,
+        prompt=4,
+        rounds=2,
+        variants=["piecewise-full", "piecewise-full-skip-guards"],
+    )
     rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
     full, skipping = rows["piecewise-full"], rows["piecewise-full-skip-guards"]
     assert full["step_ms"] > 0 and skipping["step_ms"] > 0, rows
@@ -162,7 +185,7 @@ def test_dynamo_floor_row_on_cpu_is_an_error_row():
 
 
 def test_weights_check_costs_time_the_python_check_and_the_cpp_one_where_torch_has_it():
-    import host_breakdown
+    from benchmarks import host_breakdown
     from piecewise_backend._torch_internals import data_ptrs_check
 
     costs = host_breakdown.weights_check_costs("cpu", torch.float32, count=5)
@@ -194,21 +217,56 @@ def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
     """A round whose host probe took more than ``FAST_HOST`` times the batch's fastest probe (any
     variant's) met a slowed host: ``step_ms_fast_host`` is the median of the other rounds, and the
     ratio to the limit's own fast-host time is reported beside the all-rounds one."""
-    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.71,
-             "step_ms_rounds": [0.70, 0.71, 0.73], "host_probe_us_rounds": [10.0, 11.0, 30.0]},
-            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 1.0,
-             "step_ms_rounds": [0.84, 1.0, 1.02, 0.86], "host_probe_us_rounds": [12.5, 29.0, 31.0, 13.0]},
-            {"model": "m", "variant": "eager", "batch": 1, "step_ms": 5.0,
-             "step_ms_rounds": [5.0, 5.1], "host_probe_us_rounds": [27.0, 28.0]},
-            {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom",
-             "step_ms_rounds": [], "host_probe_us_rounds": [1.0]}]  # an error row's probes do not count
+    rows = [
+        {
+            "model": "m",
+            "variant": "limit",
+            "batch": 1,
+            "step_ms": 0.71,
+            "step_ms_rounds": [0.70, 0.71, 0.73],
+            "host_probe_us_rounds": [10.0, 11.0, 30.0],
+        },
+        {
+            "model": "m",
+            "variant": "piecewise",
+            "batch": 1,
+            "step_ms": 1.0,
+            "step_ms_rounds": [0.84, 1.0, 1.02, 0.86],
+            "host_probe_us_rounds": [12.5, 29.0, 31.0, 13.0],
+        },
+        {
+            "model": "m",
+            "variant": "eager",
+            "batch": 1,
+            "step_ms": 5.0,
+            "step_ms_rounds": [5.0, 5.1],
+            "host_probe_us_rounds": [27.0, 28.0],
+        },
+        {
+            "model": "m",
+            "variant": "inductor",
+            "batch": 1,
+            "step_ms": None,
+            "error": "boom",
+            "step_ms_rounds": [],
+            "host_probe_us_rounds": [1.0],
+        },
+    ]  # an error row's probes do not count
     host_speed.fast_host_times(rows)
     host_speed.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
-    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
-        [(1, 0.70), (0, None), (0, None), (None, None)]
+    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == [
+        (1, 0.70),
+        (0, None),
+        (0, None),
+        (None, None),
+    ]
     host_speed.fast_host_times(rows)
-    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == \
-        [(2, 0.705), (2, 0.85), (0, None), (None, None)]
+    assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == [
+        (2, 0.705),
+        (2, 0.85),
+        (0, None),
+        (None, None),
+    ]
     assert rows[0]["host_probe_fastest_us"] == 10.0
     ratios = {r["variant"]: r for r in plot.ratios_to_limit(rows)}
     assert ratios["piecewise"]["vs_limit"] == round(1.0 / 0.71, 3)
@@ -235,11 +293,15 @@ def test_a_settled_probe_waits_for_the_host_at_full_speed(monkeypatch):
 
 
 def test_ratios_to_limit_and_table():
-    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
-            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
-            {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom"}]
-    assert plot.ratios_to_limit(rows) == [{"model": "m", "variant": "limit", "batch": 1, "vs_limit": 1.0},
-                                          {"model": "m", "variant": "piecewise", "batch": 1, "vs_limit": 1.2}]
+    rows = [
+        {"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
+        {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
+        {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom"},
+    ]
+    assert plot.ratios_to_limit(rows) == [
+        {"model": "m", "variant": "limit", "batch": 1, "vs_limit": 1.0},
+        {"model": "m", "variant": "piecewise", "batch": 1, "vs_limit": 1.2},
+    ]
     table = plot.ratio_table(rows)
     assert "| piecewise | 1.20× |" in table and "| inductor | error |" in table
     assert "| eager |" not in table  # a variant with no row gets no line
@@ -249,9 +311,11 @@ def test_ratios_to_limit_and_table():
 
 
 def test_ratio_uses_the_limit_of_the_rows_own_process():
-    rows = [{"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5, "limit_same_process_ms": 0.5},
-            {"model": "m", "variant": "eager", "batch": 1, "step_ms": 6.0, "limit_same_process_ms": 0.6},
-            {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6}]
+    rows = [
+        {"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5, "limit_same_process_ms": 0.5},
+        {"model": "m", "variant": "eager", "batch": 1, "step_ms": 6.0, "limit_same_process_ms": 0.6},
+        {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
+    ]
     assert [r["vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 10.0, 1.2]
     assert "| eager | 10.00× |" in plot.ratio_table(rows)
     for row, pipelined in zip(rows, (0.4, 4.0, 0.5)):
@@ -263,8 +327,11 @@ def test_ratio_uses_the_limit_of_the_rows_own_process():
 
 def test_figure_is_written(tmp_path):
     pytest.importorskip("matplotlib")
-    rows = [{"model": "m", "variant": v, "batch": b, "step_ms": ms}
-            for v, ms in (("eager", 8.0), ("piecewise", 1.0), ("limit", 0.7)) for b in (1, 8, 32)]
+    rows = [
+        {"model": "m", "variant": v, "batch": b, "step_ms": ms}
+        for v, ms in (("eager", 8.0), ("piecewise", 1.0), ("limit", 0.7))
+        for b in (1, 8, 32)
+    ]
     png = tmp_path / "fig.png"
     plot.plot(rows, png)
     assert png.stat().st_size > 1000
@@ -272,31 +339,43 @@ def test_figure_is_written(tmp_path):
         row["pipelined_ms"] = row["step_ms"] * 0.9
     plot.plot(rows, png)  # the pipelined view adds a row of panels: a taller figure
     from matplotlib.image import imread
+
     assert imread(png).shape[0] > 1.5 * 4.5 * 120
 
 
 def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
-    old = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.0, "code_hash": "h1"},
-           {"model": "b", "variant": "eager", "batch": 1, "step_ms": 2.0, "code_hash": "h1"},
-           {"model": "c", "variant": "eager", "batch": 1, "step_ms": 3.0, "code_hash": "old"}]
+    old = [
+        {"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.0, "code_hash": "h1"},
+        {"model": "b", "variant": "eager", "batch": 1, "step_ms": 2.0, "code_hash": "h1"},
+        {"model": "c", "variant": "eager", "batch": 1, "step_ms": 3.0, "code_hash": "old"},
+    ]
     new = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.5}]
     merged = record.merge_rows(old, new, ("model", "variant", "batch"), "h1")
     assert [(r["model"], r["step_ms"], r["code_hash"]) for r in merged] == [("b", 2.0, "h1"), ("a", 1.5, "h1")]
 
 
 def test_notes_about_an_earlier_run_go_when_its_rows_do():
-    result = {"code_hash": "old", "tests_note": "1 failure was ...", "decode_note": "four processes ...",
-              "peer_process_rows": [{"variant": "limit", "code_hash": "old"},
-                                     {"variant": "limit", "code_hash": "new"}]}
+    result = {
+        "code_hash": "old",
+        "tests_note": "1 failure was ...",
+        "decode_note": "four processes ...",
+        "peer_process_rows": [{"variant": "limit", "code_hash": "old"}, {"variant": "limit", "code_hash": "new"}],
+    }
     same = dict(result, code_hash="new")
     record.drop_stale_notes(same, "new", {"suite"})  # another part of the same run: its note stays
-    assert same["decode_note"] and same["tests_note"] and same["peer_process_rows"] == [
-        {"variant": "limit", "code_hash": "new"}]
+    assert (
+        same["decode_note"]
+        and same["tests_note"]
+        and same["peer_process_rows"] == [{"variant": "limit", "code_hash": "new"}]
+    )
     record.drop_stale_notes(result, "new", {"suite", "tests"})
     assert "decode_note" not in result and "tests_note" not in result
     assert result["peer_process_rows"] == [{"variant": "limit", "code_hash": "new"}]
-    stale_only = {"code_hash": "old", "peer_process_rows": [{"code_hash": "old"}],
-                  "host_breakdown_more": [{"code_hash": "old"}]}
+    stale_only = {
+        "code_hash": "old",
+        "peer_process_rows": [{"code_hash": "old"}],
+        "host_breakdown_more": [{"code_hash": "old"}],
+    }
     record.drop_stale_notes(stale_only, "new", {"suite"})
     assert "peer_process_rows" not in stale_only and stale_only["host_breakdown_more"]  # not a host part
     record.drop_stale_notes(stale_only, "new", {"host"})
@@ -311,8 +390,19 @@ def test_a_tests_run_of_a_selection_says_which(tmp_path):
     junit.write_text('<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
     out = tmp_path / "h200.json"
     for selection in ([], ["--tests-selection", "-m cuda -k 'not hf'"]):
-        _run_script(["record.py", "--junit", str(junit), "--previous", str(tmp_path / "none.json"), "--out",
-                     str(out), *selection])
+        _run_script(
+            [
+                "-m",
+                "benchmarks.record",
+                "--junit",
+                str(junit),
+                "--previous",
+                str(tmp_path / "none.json"),
+                "--out",
+                str(out),
+                *selection,
+            ]
+        )
         tests = json.loads(out.read_text())["tests"]
         assert (tests["passed"], tests["failed"], tests["skipped"]) == (3, 1, 1)
         assert tests.get("selection") == (selection[1] if selection else None), tests
@@ -325,13 +415,28 @@ def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
     shards = []
     for i, (tests, failures) in enumerate(((5, 1), (4, 0))):
         shards.append(tmp_path / f"pytest_{i}.xml")
-        shards[-1].write_text(f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" '
-                              f'skipped="1"/></testsuites>')
+        shards[-1].write_text(
+            f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" skipped="1"/></testsuites>'
+        )
     startup = tmp_path / "startup.json"
     startup.write_text(json.dumps({"hf_startup": [{"model": "qwen3", "layers": 4, "cache": "dynamic", "cold_s": 9.0}]}))
     out = tmp_path / "h200.json"
-    _run_script(["record.py", "--junit", *map(str, shards), "--hf-startup", str(startup), "--previous",
-                 str(tmp_path / "none.json"), "--out", str(out), "--tests-collected", "12"])
+    _run_script(
+        [
+            "-m",
+            "benchmarks.record",
+            "--junit",
+            *map(str, shards),
+            "--hf-startup",
+            str(startup),
+            "--previous",
+            str(tmp_path / "none.json"),
+            "--out",
+            str(out),
+            "--tests-collected",
+            "12",
+        ]
+    )
     result = json.loads(out.read_text())
     assert (result["tests"]["passed"], result["tests"]["failed"], result["tests"]["skipped"]) == (6, 1, 2)
     assert result["tests"]["not_run"] == 3  # 12 collected, 9 with a result: a shard cut by its timeout
@@ -353,11 +458,24 @@ def test_record_stamps_the_graph_kernels_rows(tmp_path):
     import json
 
     kernels = tmp_path / "graph_kernels.json"
-    kernels.write_text(json.dumps([{"model": "16L-whole-cache", "batch": 8, "limit": {"k": [1.0, 2.0]},
-                                    "piecewise": {"k": [1.0, 2.5]}}]))
+    kernels.write_text(
+        json.dumps(
+            [{"model": "16L-whole-cache", "batch": 8, "limit": {"k": [1.0, 2.0]}, "piecewise": {"k": [1.0, 2.5]}}]
+        )
+    )
     out = tmp_path / "h200.json"
-    _run_script(["record.py", "--graph-kernels", str(kernels), "--previous", str(tmp_path / "none.json"),
-                 "--out", str(out)])
+    _run_script(
+        [
+            "-m",
+            "benchmarks.record",
+            "--graph-kernels",
+            str(kernels),
+            "--previous",
+            str(tmp_path / "none.json"),
+            "--out",
+            str(out),
+        ]
+    )
     (row,) = json.loads(out.read_text())["graph_kernels"]
     assert row["piecewise"] == {"k": [1.0, 2.5]} and len(row["code_hash"]) == 64
 
@@ -369,18 +487,29 @@ def test_record_merges_seed_workload_rows_of_two_calls(tmp_path):
 
     def call(variants, previous):
         seed = tmp_path / "seed.json"
-        seed.write_text(json.dumps({"seed_vllm": {"full": {"tpot_median_ms": 5.33}},
-                                    "seed_workload": [{"variant": v, "tpot_median_ms": 1.0} for v in variants],
-                                    "concurrency": [{"variant": v, "in_flight": 8, "out_tok_s": 9.0} for v in variants]}))
+        seed.write_text(
+            json.dumps(
+                {
+                    "seed_vllm": {"full": {"tpot_median_ms": 5.33}},
+                    "seed_workload": [{"variant": v, "tpot_median_ms": 1.0} for v in variants],
+                    "concurrency": [{"variant": v, "in_flight": 8, "out_tok_s": 9.0} for v in variants],
+                }
+            )
+        )
         out = tmp_path / "h200.json"
-        _run_script(["record.py", "--seed-workload", str(seed), "--previous", str(previous), "--out", str(out)])
+        _run_script(
+            ["-m", "benchmarks.record", "--seed-workload", str(seed), "--previous", str(previous), "--out", str(out)]
+        )
         return out
 
     first = call(["eager", "piecewise"], tmp_path / "none.json")
     result = json.loads(call(["inductor"], first).read_text())
     assert [r["variant"] for r in result["seed_workload"]] == ["eager", "piecewise", "inductor"]
-    assert {(r["variant"], r["in_flight"]) for r in result["concurrency"]} == {("eager", 8), ("piecewise", 8),
-                                                                               ("inductor", 8)}
+    assert {(r["variant"], r["in_flight"]) for r in result["concurrency"]} == {
+        ("eager", 8),
+        ("piecewise", 8),
+        ("inductor", 8),
+    }
     assert all(len(r["code_hash"]) == 64 for r in result["seed_workload"] + result["concurrency"])
     assert result["seed_vllm"]["full"]["tpot_median_ms"] == 5.33
 
@@ -393,13 +522,19 @@ def test_suites_of_two_processes_merge_and_divide_by_the_other_processes_limit(t
 
     out = tmp_path / "h200.json"
     previous = tmp_path / "none.json"
-    for name, rows in (("limit", [{"model": "m", "variant": "limit", "batch": 8, "step_ms": 0.68},
-                                  {"model": "m", "variant": "dynamo-floor", "batch": 8, "step_ms": 0.74,
-                                   "limit_same_process_ms": 0.68}]),
-                       ("piecewise", [{"model": "m", "variant": "piecewise", "batch": 8, "step_ms": 0.78}])):
+    for name, rows in (
+        (
+            "limit",
+            [
+                {"model": "m", "variant": "limit", "batch": 8, "step_ms": 0.68},
+                {"model": "m", "variant": "dynamo-floor", "batch": 8, "step_ms": 0.74, "limit_same_process_ms": 0.68},
+            ],
+        ),
+        ("piecewise", [{"model": "m", "variant": "piecewise", "batch": 8, "step_ms": 0.78}]),
+    ):
         part = tmp_path / f"suite_{name}.json"
         part.write_text(json.dumps({"decode": rows}))
-        _run_script(["record.py", "--suite", str(part), "--previous", str(previous), "--out", str(out)])
+        _run_script(["-m", "benchmarks.record", "--suite", str(part), "--previous", str(previous), "--out", str(out)])
         previous = out
     result = json.loads(out.read_text())
     assert sorted(r["variant"] for r in result["decode"]) == ["dynamo-floor", "limit", "piecewise"]
@@ -418,7 +553,7 @@ def test_rows_say_what_shared_their_process_and_its_limit():
     assert "one at a time" in failed_limit[0]["process"] and "limit_same_process_ms" not in failed_limit[0]
 
 
-def _run_script(args: list, cwd=BENCH) -> str:
+def _run_script(args: list, cwd=ROOT) -> str:
     import subprocess
 
     proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
@@ -430,8 +565,11 @@ def test_startup_row_splits_the_time_to_first_output():
     """What a device run's ``--startup`` does per variant, on the tiny model (a fresh process)."""
     import json
 
-    row = json.loads(_run_script(["suite.py", "--first-output", "piecewise", "--models", "tiny", "--device",
-                                  "cpu"]).strip().splitlines()[-1])
+    row = json.loads(
+        _run_script(["-m", "benchmarks.suite", "--first-output", "piecewise", "--models", "tiny", "--device", "cpu"])
+        .strip()
+        .splitlines()[-1]
+    )
     parts = row["before_compile_s"] + row["compile_s"] + row["first_run_s"]
     assert row["compile_s"] > 0 and abs(parts - row["seconds"]) < 0.01, row
     assert row["inductor_graphs"] == 3 and row["backend_s"]["inductor"] > 0, row
@@ -442,20 +580,27 @@ def test_host_breakdown_of_the_default_one_graph_decode_step(tmp_path, model):
     import json
 
     out = tmp_path / "host.json"
-    _run_script(["host_breakdown.py", "--model", model, "--steps", "5", "--json", str(out)])
+    _run_script(["-m", "benchmarks.host_breakdown", "--model", model, "--steps", "5", "--json", str(out)])
     step = json.loads(out.read_text())["step"]
     assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
     assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0
 
 
 def test_ab_versions_summarises_medians_and_ratio():
-    import ab_versions
+    from benchmarks import ab_versions
 
     def rows(limit, piecewise):
-        return ab_versions._with_ratios([{"model": "m", "variant": "limit", "batch": 1, "step_ms": limit},
-                                         {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": piecewise}])
+        return ab_versions._with_ratios(
+            [
+                {"model": "m", "variant": "limit", "batch": 1, "step_ms": limit},
+                {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": piecewise},
+            ]
+        )
 
-    runs = {"A": [rows(1.0, 1.5), rows(1.0, 1.3), rows(2.0, 1.4)], "B": [rows(1.0, 1.2), rows(1.0, 1.1), rows(1.0, 9.0)]}
+    runs = {
+        "A": [rows(1.0, 1.5), rows(1.0, 1.3), rows(2.0, 1.4)],
+        "B": [rows(1.0, 1.2), rows(1.0, 1.1), rows(1.0, 9.0)],
+    }
     piecewise = next(r for r in ab_versions._summary(runs) if r["variant"] == "piecewise")
     assert piecewise["A_step_ms"] == 1.4 and piecewise["B_step_ms"] == 1.2 and piecewise["B_over_A"] == 0.857
     assert piecewise["A_vs_limit"] == 1.3 and piecewise["B_vs_limit"] == 1.2
@@ -468,8 +613,28 @@ def test_ab_versions_runs_each_versions_own_suite(tmp_path):
 
     root = pathlib.Path(__file__).resolve().parents[1]
     out = tmp_path / "ab.json"
-    _run_script(["ab_versions.py", str(root), str(root), "--models", "tiny", "--batches", "2", "--steps", "3",
-                 "--prompt", "4", "--rounds", "1", "--variants", "piecewise", "--json", str(out)])
+    _run_script(
+        [
+            "-m",
+            "benchmarks.ab_versions",
+            str(root),
+            str(root),
+            "--models",
+            "tiny",
+            "--batches",
+            "2",
+            "--steps",
+            "3",
+            "--prompt",
+            "4",
+            "--rounds",
+            "1",
+            "--variants",
+            "piecewise",
+            "--json",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert result["versions"]["A"]["code_hash"] == record.code_hash(root)
     (row,) = result["summary"]
@@ -493,11 +658,12 @@ def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
     pytest.importorskip("transformers")
     import statistics
 
-    import hf_generate
+    from benchmarks import hf_generate
 
     rows: list = []
-    hf_generate.bench_model("tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu",
-                            rounds=2)
+    hf_generate.bench_model(
+        "tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu", rounds=2
+    )
     by_variant = {r["variant"]: r for r in rows}
     assert [r["variant"] for r in rows] == ["eager", "piecewise-static", "no-such-variant"]
     eager, static = by_variant["eager"], by_variant["piecewise-static"]
@@ -515,12 +681,20 @@ def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
     batch-4 row used to report the batch-1 decode graph, which had served more calls)."""
     import types
 
-    import hf_generate
     import piecewise_backend
+    from benchmarks import hf_generate
 
     def graph(serial, calls, captures):
-        stats = types.SimpleNamespace(calls=calls, num_pieces=1, num_compute_pieces=1, replays=0, captures=captures,
-                                      ungraphed_runs=0, misses={}, miss_details={})
+        stats = types.SimpleNamespace(
+            calls=calls,
+            num_pieces=1,
+            num_compute_pieces=1,
+            replays=0,
+            captures=captures,
+            ungraphed_runs=0,
+            misses={},
+            miss_details={},
+        )
         plan = types.SimpleNamespace(report=types.SimpleNamespace(attention=()), key=types.SimpleNamespace(symbols=()))
         return types.SimpleNamespace(serial=serial, stats=stats, plan=plan)
 
@@ -535,12 +709,18 @@ def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
 def test_hf_generate_builds_each_architecture_at_a_depth_and_refuses_an_unknown_key():
     """``ARCH-NL-DIMS`` keys (the issue's Qwen3, Phi-3, Gemma 3 rows), built on the meta device."""
     pytest.importorskip("transformers")
-    import hf_generate
+    from benchmarks import hf_generate
 
-    for key, cls, layers in (("qwen3-4L-512", "Qwen3ForCausalLM", 4), ("phi3-28L-1.5b", "Phi3ForCausalLM", 28),
-                             ("gemma3-4L-512", "Gemma3ForCausalLM", 4), ("8L-512", "LlamaForCausalLM", 8)):
+    for key, cls, layers in (
+        ("qwen3-4L-512", "Qwen3ForCausalLM", 4),
+        ("phi3-28L-1.5b", "Phi3ForCausalLM", 28),
+        ("gemma3-4L-512", "Gemma3ForCausalLM", 4),
+        ("8L-512", "LlamaForCausalLM", 8),
+    ):
         model = hf_generate.build_model(key, "meta", torch.bfloat16)
-        assert type(model).__name__ == cls and model.config.num_hidden_layers == layers and model.dtype == torch.bfloat16
+        assert (
+            type(model).__name__ == cls and model.config.num_hidden_layers == layers and model.dtype == torch.bfloat16
+        )
         assert hf_generate.model_config(key)[3] == layers
     with pytest.raises(ValueError, match="unknown model 'mamba-4L-512'.*ARCH-NL-DIMS"):
         hf_generate.model_config("mamba-4L-512")
@@ -550,9 +730,8 @@ def test_hf_startup_times_the_recipes_start_and_the_first_calls_at_a_new_batch_a
     """``hf_startup.py``'s child on CPU (graphs emulated): the README's start-up (batch 1, then 2),
     after which a new batch size and a longer ``max_new_tokens`` compile nothing."""
     pytest.importorskip("transformers")
-    import hf_startup
-
     import piecewise_backend
+    from benchmarks import hf_startup
 
     torch._dynamo.reset()
     with piecewise_backend.emulated_graphs():
@@ -563,16 +742,20 @@ def test_hf_startup_times_the_recipes_start_and_the_first_calls_at_a_new_batch_a
     assert 0 < row["backend_inductor_s"] <= row["backend_build_s"] and row["inductor_compiles"] >= 2, row
     # the breakdown: prefill and decode are Dynamo graphs of their own; the backend is part of their compile
     assert row["dynamo_frames"] >= 2 and row["dynamo_traces"] >= row["dynamo_frames"], row
-    assert 0 < row["backend_call_s"] <= row["dynamo_compile_s"] <= row["start_s"] + row["new_batch_s"] + row["new_length_s"]
+    assert (
+        0
+        < row["backend_call_s"]
+        <= row["dynamo_compile_s"]
+        <= row["start_s"] + row["new_batch_s"] + row["new_length_s"]
+    )
 
 
 def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_outputs():
     """``threads.py``'s two scenarios on CPU (graphs emulated, so captures and replays happen): the
     neighbour thread ran and erred nowhere, every call was compared with eager."""
     pytest.importorskip("transformers")
-    import threads
-
     import piecewise_backend
+    from benchmarks import threads
 
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
@@ -589,12 +772,12 @@ def test_serving_benchmark_times_an_engine_and_counts_its_captures_and_replaced_
     """``serving.py``'s row on CPU (graphs emulated): the engine warmed up, served a trace, and with
     ``max_captured_sizes=8`` the sizes captured followed the traffic (lazy captures happened while
     serving, and show as stalls)."""
-    import serving
-
     import piecewise_backend
+    from benchmarks import serving
 
-    args = argparse.Namespace(config="tiny", requests=10, rate=0.0, max_num_tokens=32, max_num_seqs=4,
-                              agreement_requests=3)
+    args = argparse.Namespace(
+        config="tiny", requests=10, rate=0.0, max_num_tokens=32, max_num_seqs=4, agreement_requests=3
+    )
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
         row = serving.serve(args, "piecewise-cap8", "cpu")
@@ -607,7 +790,7 @@ def test_serving_benchmark_times_an_engine_and_counts_its_captures_and_replaced_
 
 def test_dynamo_entry_benchmark_times_each_guard_filter():
     pytest.importorskip("transformers")
-    import dynamo_entry
+    from benchmarks import dynamo_entry
 
     rows = dynamo_entry.entry_us(1, "cpu")
     variants = [r["variant"] for r in rows]
@@ -619,7 +802,9 @@ def test_profile_build_profiles_the_backends_build_only():
     """``profile_build.py`` on CPU (graphs emulated, as on CUDA): the build's total and Inductor share,
     then the backend's own functions by cumulative time."""
     pytest.importorskip("transformers")
-    out = _run_script(["profile_build.py", "--model", "tiny", "--cache", "static", "--device", "cpu", "--top", "6"])
+    out = _run_script(
+        ["-m", "benchmarks.profile_build", "--model", "tiny", "--cache", "static", "--device", "cpu", "--top", "6"]
+    )
     head = out.splitlines()[0]
     assert head.startswith("generate ") and "Inductor" in head and "compiles" in head, out[:500]
     assert "piecewise_backend/backend.py" in out and "(build)" in out, out[:3000]
@@ -628,12 +813,12 @@ def test_profile_build_profiles_the_backends_build_only():
 def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurrency():
     """``seed_workload.py``'s rows on CPU (graphs emulated): vLLM's serving metrics over a seeded trace,
     the full graphs and piecewise graphs it used, a sweep row per level, and the figure."""
-    import seed_workload
-
     import piecewise_backend
+    from benchmarks import seed_workload
 
-    args = argparse.Namespace(config="tiny", device="cpu", requests=4, rate=0.0, in_flight=[1, 3],
-                              max_num_tokens=32, agreement_variants="")
+    args = argparse.Namespace(
+        config="tiny", device="cpu", requests=4, rate=0.0, in_flight=[1, 3], max_num_tokens=32, agreement_variants=""
+    )
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
         row, sweep = seed_workload.serve(args, "full-and-piecewise")
@@ -661,12 +846,16 @@ def test_second_call_rows_are_filed_as_hf_second_call(tmp_path):
     goes to its own key; the other rows stay under ``"hf"``."""
     import json
 
-    rows = [{"model": "granite", "layers": 28, "cache": "static", "batch": 1, "variant": v, "ms_per_token": ms}
-            for v, ms in (("eager", 20.0), ("piecewise-static-second-call", 5.0))]
+    rows = [
+        {"model": "granite", "layers": 28, "cache": "static", "batch": 1, "variant": v, "ms_per_token": ms}
+        for v, ms in (("eager", 20.0), ("piecewise-static-second-call", 5.0))
+    ]
     hf = tmp_path / "hf.json"
     hf.write_text(json.dumps({"hf": rows, "torch": "2.13", "transformers": "5.17"}))
     out = tmp_path / "h200.json"
-    _run_script(["record.py", "--hf", str(hf), "--previous", str(tmp_path / "none.json"), "--out", str(out)])
+    _run_script(
+        ["-m", "benchmarks.record", "--hf", str(hf), "--previous", str(tmp_path / "none.json"), "--out", str(out)]
+    )
     result = json.loads(out.read_text())
     assert [r["variant"] for r in result["hf"]] == ["eager"]
     assert [r["variant"] for r in result["hf_second_call"]] == ["piecewise-static-second-call"]
@@ -678,9 +867,8 @@ def test_hf_generate_second_call_times_a_generate_with_a_new_static_cache_length
     timed one (a new static cache, new length): eager's tokens, and the whole call's time beside the
     per-step one (graphs emulated: the decode steps are served by them)."""
     pytest.importorskip("transformers")
-    import hf_generate
-
     import piecewise_backend
+    from benchmarks import hf_generate
 
     rows: list = []
     with piecewise_backend.emulated_graphs():
@@ -694,9 +882,8 @@ def test_hf_generate_second_call_times_a_generate_with_a_new_static_cache_length
 def test_hybrid_check_row_says_tokens_and_the_share_of_decode_calls_graphed():
     """``hybrid_check.py``'s row on CPU (graphs emulated; no Inductor, for time)."""
     pytest.importorskip("transformers")
-    import hybrid_check
-
     import piecewise_backend
+    from benchmarks import hybrid_check
 
     with piecewise_backend.emulated_graphs():
         row = hybrid_check.check("exaone4", "dynamic", 3, 4, 6, "cpu", "eager")  # sliding, sliding, full

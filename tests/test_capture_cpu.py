@@ -16,8 +16,16 @@ import torch
 from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, Encoder, assert_results_close, compile_with_reference, decode_at_sizes, \
-    busiest_graph, graphs_since, last_serial
+from .helpers import (
+    SPLIT_ATTENTION,
+    Encoder,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    graphs_since,
+    last_serial,
+)
 
 CFG = ToyConfig(layers=2, max_batch=12)
 SIZES = (3, 2, 5, 8, 7, 9, 10, 4, 6, 3)  # 9, 10 are above the largest capture size
@@ -42,8 +50,9 @@ def _main_graph(start):
 
 @pytest.fixture(scope="module")
 def padded_run():
-    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [1, 2, 4, 8],
-                                                     "eager_capture_sizes": [8, 2]})
+    compiled, reference, start = _compile(
+        ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [1, 2, 4, 8], "eager_capture_sizes": [8, 2]}
+    )
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, SIZES)
     return results, _padded_graphs(start)
@@ -108,8 +117,9 @@ def test_inputs_several_pieces_read_are_copied_once_per_step():
     # with the KV writes left eager there are no device step scalars, so the RoPE rows (cos, sin at
     # this step's position) are sliced eagerly, and copied once per step into the buffer every
     # layer's piece reads (staging.py)
-    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8],
-                                                     "capture_kv_writes": False})
+    compiled, reference, start = _compile(
+        ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8], "capture_kv_writes": False}
+    )
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5, 3)))
     _assert_copies_per_step(_padded_graphs(start), 1 + CFG.layers + 2)
@@ -129,7 +139,8 @@ def test_budget_on_sizes_stops_capture_and_answers_right():
 
 def test_lazy_off_pads_to_a_captured_size():
     compiled, reference, start = _compile(
-        ToyLlama, {"capture_sizes": [2, 4, 8], "eager_capture_sizes": [8], "lazy_capture": False})
+        ToyLlama, {"capture_sizes": [2, 4, 8], "eager_capture_sizes": [8], "lazy_capture": False}
+    )
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, (3, 5, 2))
     assert_results_close(results)
@@ -222,7 +233,9 @@ def test_a_deep_one_piece_step_compiles_each_distinct_layer_once_and_runs_as_one
     each (``layer_chain.py``), not all six layers, and still captures and replays as one graph; with
     3 layers the distinct sub-pieces would hold over half the ops, so it compiles whole."""
     cfg = dataclasses.replace(CFG, layers=layers)
-    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, cfg, {"mode": "full", "capture_sizes": [2, 4]})
+    compiled, reference, start = compile_with_reference(
+        ToyStaticCacheLlama, cfg, {"mode": "full", "capture_sizes": [2, 4]}
+    )
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, (2, 3, 4), static_cache=True)
     assert_results_close(results)
@@ -239,8 +252,9 @@ def test_a_piece_that_cannot_be_cut_into_layers_is_compiled_whole_and_says_so(mo
         raise KeyError("s86")  # what split_module raised on the H200 for a symbol no node binds
 
     monkeypatch.setattr(layer_chain, "split_module", fails)
-    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, dataclasses.replace(CFG, layers=6),
-                                                        {"mode": "full", "capture_sizes": [2, 4]})
+    compiled, reference, start = compile_with_reference(
+        ToyStaticCacheLlama, dataclasses.replace(CFG, layers=6), {"mode": "full", "capture_sizes": [2, 4]}
+    )
     with torch.no_grad(), caplog.at_level("INFO", logger="piecewise_backend"):
         results = decode_at_sizes(compiled, reference, (2, 3), static_cache=True)
     assert_results_close(results)
@@ -318,5 +332,6 @@ def test_a_piece_without_tensor_inputs_is_captured_on_the_graphs_device():
             torch.testing.assert_close(got, want)
     graph = busiest_graph(start)
     assert not [str(w.message) for w in caught if "failed" in str(w.message)]
-    assert graph.stats.captures >= 2 and graph.stats.replays >= 1 and not graph.stats.failed_captures, \
+    assert graph.stats.captures >= 2 and graph.stats.replays >= 1 and not graph.stats.failed_captures, (
         graph.stats.summary()
+    )

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from piecewise_backend import PiecewiseConfig
+from piecewise_backend.config import scheme_sizes
 from piecewise_backend.kinds import Miss
 from piecewise_backend.runtime import capture_deferral, capture_traffic, memory_estimate
 from piecewise_backend.runtime.capture_policy import CapturePolicy, Route
 from piecewise_backend.runtime.capture_traffic import CaptureTraffic
 from piecewise_backend.runtime.memory_estimate import GraphMemoryEstimate, fit
-from piecewise_backend.config import scheme_sizes
 
 
 def test_default_scheme_is_vllms_67_sizes_up_to_512():
@@ -23,23 +23,26 @@ def test_schemes_always_include_their_max():
     assert scheme_sizes("default", 12) == (1, 2, 4, 8, 12)
 
 
-@pytest.mark.parametrize("options,error,message", [
-    ({"capture_sizes": "fibonacci"}, ValueError, "unknown capture scheme 'fibonacci'.*'default', 'powers_of_two'"),
-    ({"capture_sizes": [4, -2]}, ValueError, r"'capture_sizes' holds \[-2\]; sizes must be ints >= 1"),
-    ({"capture_sizes": [0]}, ValueError, "sizes must be ints >= 1"),
-    ({"capture_sizes": [2.5]}, ValueError, "sizes must be ints >= 1"),
-    ({"capture_sizes": []}, ValueError, "'capture_sizes' is empty"),
-    ({"capture_sizes": 8}, TypeError, "must be a list of batch sizes"),
-    ({"capture_sizes": [1, 2], "max_capture_size": 8}, ValueError, "contradicts capture_sizes"),
-    ({"max_capture_size": 0}, ValueError, "'max_capture_size' must be an int >= 1"),
-    ({"eager_capture_sizes": [3]}, ValueError, r"eager_capture_sizes \[3\] are not capture sizes"),
-    ({"eager_capture_sizes": "some"}, ValueError, "must be a list of capture sizes or 'all'"),
-    ({"max_graph_memory": -1}, ValueError, "'max_graph_memory' must be an int >= 0 or None"),
-    ({"max_captured_sizes": 1.5}, ValueError, "'max_captured_sizes' must be an int"),
-    ({"max_unreplayed_captures": 0}, ValueError, "'max_unreplayed_captures' must be an int >= 1 or None"),
-    ({"mode": "whole"}, ValueError, "'mode' must be one of 'piecewise', 'full'"),
-    ({"padding": 1}, TypeError, "'padding' must be True or False"),
-])
+@pytest.mark.parametrize(
+    "options,error,message",
+    [
+        ({"capture_sizes": "fibonacci"}, ValueError, "unknown capture scheme 'fibonacci'.*'default', 'powers_of_two'"),
+        ({"capture_sizes": [4, -2]}, ValueError, r"'capture_sizes' holds \[-2\]; sizes must be ints >= 1"),
+        ({"capture_sizes": [0]}, ValueError, "sizes must be ints >= 1"),
+        ({"capture_sizes": [2.5]}, ValueError, "sizes must be ints >= 1"),
+        ({"capture_sizes": []}, ValueError, "'capture_sizes' is empty"),
+        ({"capture_sizes": 8}, TypeError, "must be a list of batch sizes"),
+        ({"capture_sizes": [1, 2], "max_capture_size": 8}, ValueError, "contradicts capture_sizes"),
+        ({"max_capture_size": 0}, ValueError, "'max_capture_size' must be an int >= 1"),
+        ({"eager_capture_sizes": [3]}, ValueError, r"eager_capture_sizes \[3\] are not capture sizes"),
+        ({"eager_capture_sizes": "some"}, ValueError, "must be a list of capture sizes or 'all'"),
+        ({"max_graph_memory": -1}, ValueError, "'max_graph_memory' must be an int >= 0 or None"),
+        ({"max_captured_sizes": 1.5}, ValueError, "'max_captured_sizes' must be an int"),
+        ({"max_unreplayed_captures": 0}, ValueError, "'max_unreplayed_captures' must be an int >= 1 or None"),
+        ({"mode": "whole"}, ValueError, "'mode' must be one of 'piecewise', 'full'"),
+        ({"padding": 1}, TypeError, "'padding' must be True or False"),
+    ],
+)
 def test_bad_capture_options_fail_with_a_fix(options, error, message):
     with pytest.raises(error, match=message):
         PiecewiseConfig.from_options(options)
@@ -75,8 +78,12 @@ def test_full_graphs_have_their_own_keys_padding_rule_and_fallback_reasons():
     """A full graph's padding may be refused where the pieces' is not (a splitting op the proof cannot
     see into): full calls then get exact sizes while piecewise calls pad; a refused graph and a failed
     key route to no full graph, saying why."""
-    policy = CapturePolicy(PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "defer_captures": False}), 0,
-                           None, full_padding=("mylib::attention is a custom op ...", None))
+    policy = CapturePolicy(
+        PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "defer_captures": False}),
+        0,
+        None,
+        full_padding=("mylib::attention is a custom op ...", None),
+    )
     assert policy.route((3,), set(), lambda: 0).key == (4,)
     full = policy.full_route((3,), {}, {}, lambda: 0, set(), None)
     assert (full.key, full.capture, full.padded, full.full) == ((3,), True, False, True)
@@ -129,8 +136,12 @@ def test_budget_refuses_by_count_and_by_measured_bytes():
 
 
 def test_new_shapes_stop_being_captured_while_earlier_ones_never_replayed():
-    policy = CapturePolicy(PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "max_unreplayed_captures": 3}),
-                           0, None, symbols=("s0", "s1"))
+    policy = CapturePolicy(
+        PiecewiseConfig.from_options({"capture_sizes": [2, 4, 8], "max_unreplayed_captures": 3}),
+        0,
+        None,
+        symbols=("s0", "s1"),
+    )
     captured = {(2, 5), (2, 6), (2, 7)}
     assert policy.route((2, 8), captured, lambda: 0, unreplayed={(2, 6), (2, 7)}).capture  # 2 < 3: captures
     route = policy.route((2, 8), captured, lambda: 0, unreplayed=captured)
@@ -215,15 +226,16 @@ def _pool_events(order, fixed=10 * 2**20, per_row=2**17, slack=2 * 2**20):
 
     events, before = [], fixed // 2  # the keeper and what the device held before
     for i, size in enumerate(order):
-        largest = max(order[:i + 1])
-        memory = int(fixed + per_row * largest + (slack if min(order[:i + 1]) * 64 <= largest else 0))
+        largest = max(order[: i + 1])
+        memory = int(fixed + per_row * largest + (slack if min(order[: i + 1]) * 64 <= largest else 0))
         events.append(CaptureEvent((size,), "lazy", 0.1, memory, memory - before, 3, i + 1))
         before = memory
     return events, lambda sizes: int(fixed + per_row * max(sizes) + (slack if min(sizes) * 64 <= max(sizes) else 0))
 
 
-@pytest.mark.parametrize("order", [(1, 512, 2), (512, 1), (512, 64, 1, 8)],
-                         ids=["smallest-first", "largest-first", "after-a-warm-up"])
+@pytest.mark.parametrize(
+    "order", [(1, 512, 2), (512, 1), (512, 64, 1, 8)], ids=["smallest-first", "largest-first", "after-a-warm-up"]
+)
 def test_graph_memory_of_every_size_is_what_the_largest_and_the_smallest_leave(order):
     sizes = (1, 2, 4, 8) + tuple(range(16, 513, 8))
     events, truth = _pool_events(order)
@@ -251,9 +263,15 @@ def test_estimate_captures_the_largest_then_the_smallest_and_nothing_more():
         graph.stats.events = _pool_events(order)[0]
         return [(s,) for s in asked]
 
-    graph = types.SimpleNamespace(device=torch.device("cuda"), serial=3, pad_position=0, captured={(48,)},
-                                  stats=types.SimpleNamespace(events=_pool_events(order)[0]), capture=capture,
-                                  up_front=types.SimpleNamespace(keys_of=lambda _: [(s,) for s in reversed(sizes)]))
+    graph = types.SimpleNamespace(
+        device=torch.device("cuda"),
+        serial=3,
+        pad_position=0,
+        captured={(48,)},
+        stats=types.SimpleNamespace(events=_pool_events(order)[0]),
+        capture=capture,
+        up_front=types.SimpleNamespace(keys_of=lambda _: [(s,) for s in reversed(sizes)]),
+    )
     guess = memory_estimate.estimate(graph, "all")
     assert order == [48, 64, 1]  # the largest, then the smallest
     assert guess.predicted_bytes == pytest.approx(_pool_events(order)[1](sizes), rel=1e-6), str(guess)

@@ -96,8 +96,12 @@ def test_cudagraphs_off_runs_ungraphed_with_same_results():
     model = init_weights_(ToyLlama(CFG)).cuda().eval()
     compiled = torch.compile(model, backend="piecewise", options={"cudagraphs": False})
     with torch.no_grad(), sdpa_backends("cuda"):
-        assert_close_steps(llama_decode(compiled, model, 2, 5, 4, device="cuda"),
-                           llama_decode(model, model, 2, 5, 4, device="cuda"), atol=2e-3, rtol=2e-3)
+        assert_close_steps(
+            llama_decode(compiled, model, 2, 5, 4, device="cuda"),
+            llama_decode(model, model, 2, 5, 4, device="cuda"),
+            atol=2e-3,
+            rtol=2e-3,
+        )
     for g in piecewise_backend.compiled_graphs():
         assert g.stats.captures == 0 and g.stats.graphs_disabled_reason == "cudagraphs=False in options"
 
@@ -110,8 +114,12 @@ def test_sixteen_layers_capture_per_batch_size():
     compiled = torch.compile(model, backend="piecewise", options=SPLIT_ATTENTION)
     with torch.no_grad(), sdpa_backends("cuda"):
         for batch in (2, 4, 8, 4):
-            assert_close_steps(llama_decode(compiled, model, batch, 4, 5, device="cuda"),
-                               llama_decode(model, model, batch, 4, 5, device="cuda"), atol=2e-3, rtol=2e-3)
+            assert_close_steps(
+                llama_decode(compiled, model, batch, 4, 5, device="cuda"),
+                llama_decode(model, model, batch, 4, 5, device="cuda"),
+                atol=2e-3,
+                rtol=2e-3,
+            )
     graphs = _decode_graphs(start)
     for graph in graphs:
         assert graph.stats.num_compute_pieces == 17
@@ -130,8 +138,12 @@ def test_a_sixteen_layer_decode_step_is_one_graph_of_three_compiles():
     compiled = torch.compile(model, backend="piecewise", options={"defer_captures": False})
     with torch.no_grad():
         for batch in (2, 4, 2):
-            assert_close_steps(llama_decode(compiled, model, batch, 4, 5, device="cuda"),
-                               llama_decode(model, model, batch, 4, 5, device="cuda"), atol=2e-3, rtol=2e-3)
+            assert_close_steps(
+                llama_decode(compiled, model, batch, 4, 5, device="cuda"),
+                llama_decode(model, model, batch, 4, 5, device="cuda"),
+                atol=2e-3,
+                rtol=2e-3,
+            )
     step = max(graphs_since(start), key=lambda g: g.stats.replays)
     assert step.stats.num_pieces == 1 and step.stats.inductor_compiles == 3, step.stats.summary()
     assert step.stats.captures == len(step.stats.captured_keys) and step.stats.replays > 0

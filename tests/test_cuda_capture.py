@@ -11,8 +11,15 @@ from piecewise_backend.kinds import Miss
 from piecewise_backend.runtime.devices import device_graphs
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama, sdpa_backends
 
-from .helpers import Encoder, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
-    graphs_since, last_serial
+from .helpers import (
+    Encoder,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    graphs_since,
+    last_serial,
+)
 
 pytestmark = pytest.mark.cuda
 MAX = 16  # capture sizes 1, 2, 4, 8, 16 ("default" scheme up to 16)
@@ -31,8 +38,9 @@ def _buckets(sizes, capture_sizes):
 
 @pytest.fixture(scope="module")
 def every_size():
-    compiled, reference, start = _compile(ToyLlama, {"max_capture_size": MAX, "eager_capture_sizes": [MAX, 2],
-                                                      "defer_captures": False})  # every bucket on first sight
+    compiled, reference, start = _compile(
+        ToyLlama, {"max_capture_size": MAX, "eager_capture_sizes": [MAX, 2], "defer_captures": False}
+    )  # every bucket on first sight
     logger = logging.getLogger("piecewise_backend")
     records = []
     handler = logging.Handler()
@@ -156,7 +164,8 @@ def test_graph_attention_makes_the_decode_step_one_graph_at_every_size():
         results = decode_at_sizes(compiled, reference, SIZES, device="cuda")
     assert_results_close(results, **TOL)
     graphs = [g for g in graphs_since(start) if g.pad_position is not None and g.stats.calls > 1]
-    assert graphs and all(g.stats.num_pieces == 1 and g.stats.replays > 0 for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert graphs and all(g.stats.num_pieces == 1 and g.stats.replays > 0 for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
     for mine, theirs in zip(compiled._orig_mod.layers, reference.layers):
         torch.testing.assert_close(mine.attn.k_cache, theirs.attn.k_cache, **TOL)

@@ -20,8 +20,16 @@ SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
 
 
 def _serve(model, forward, dtype=torch.float32):
-    engine = toy.Engine(model, forward, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda", dtype=dtype,
-                        graph_mode="piecewise")
+    engine = toy.Engine(
+        model,
+        forward,
+        max_num_tokens=48,
+        max_num_seqs=6,
+        num_blocks=96,
+        device="cuda",
+        dtype=dtype,
+        graph_mode="piecewise",
+    )
     return [r.output for r in engine.run(toy.seeded_trace(16, seed=3, vocab=model.cfg.vocab))]
 
 
@@ -30,8 +38,11 @@ def _model(op: str):
     return toy.EngineModel(dataclasses.replace(SMALL, attention_op=op)).init_weights_().cuda().eval()
 
 
-@pytest.mark.parametrize("op,options", [(toy.ATTENTION, {"extra_splitting_ops": [toy.ATTENTION]}),
-                                        (toy.TAGGED_ATTENTION, {})], ids=["declared", "tagged"])
+@pytest.mark.parametrize(
+    "op,options",
+    [(toy.ATTENTION, {"extra_splitting_ops": [toy.ATTENTION]}), (toy.TAGGED_ATTENTION, {})],
+    ids=["declared", "tagged"],
+)
 def test_the_engine_compiled_gives_eager_tokens_and_replays(op, options):
     torch._dynamo.reset()
     start = last_serial()
@@ -43,8 +54,9 @@ def test_the_engine_compiled_gives_eager_tokens_and_replays(op, options):
     assert got == expected
     graphs = graphs_since(start)
     assert sum(g.stats.replays for g in graphs) > 0
-    assert all(g.stats.failed_captures == 0 and g.stats.ungraphed_runs == 0 for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert all(g.stats.failed_captures == 0 and g.stats.ungraphed_runs == 0 for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
 
 
 def test_an_undeclared_untagged_attention_op_warns_naming_it_and_hands_the_pool_back():
@@ -87,8 +99,9 @@ def test_varlen_attention_over_the_pages_matches_the_reference_attention():
     """A step of a prefill chunk after cached tokens, a whole prompt and two decode tokens: torch's
     varlen kernel (bf16, bottom-right causal) against the per-request SDPA reference (fp32)."""
     cfg = SMALL
-    engine = toy.Engine(toy.EngineModel(cfg), max_num_tokens=64, max_num_seqs=4, num_blocks=32, device="cuda",
-                        dtype=torch.bfloat16)
+    engine = toy.Engine(
+        toy.EngineModel(cfg), max_num_tokens=64, max_num_seqs=4, num_blocks=32, device="cuda", dtype=torch.bfloat16
+    )
     requests = [toy.Request(i, list(range(n)), 4) for i, n in enumerate((20, 7, 33, 12))]
     for r, cached in zip(requests, (9, 0, 32, 11)):
         r.blocks = [engine.free_blocks.popleft() for _ in range(4)]
@@ -115,13 +128,16 @@ def test_varlen_attention_over_the_pages_matches_the_reference_attention():
 def test_graph_memory_estimated_from_two_captures_is_the_graph_memory_of_every_size():
     torch._dynamo.reset()
     model = _model(toy.ATTENTION)
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": [toy.ATTENTION],
-                                                                   "capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]})
-    engine = toy.Engine(model, compiled, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda",
-                        graph_mode="piecewise")
+    compiled = torch.compile(
+        model,
+        backend="piecewise",
+        options={"extra_splitting_ops": [toy.ATTENTION], "capture_sizes": [1, 2, 4, 8, 16, 32, 48, 64]},
+    )
+    engine = toy.Engine(
+        model, compiled, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda", graph_mode="piecewise"
+    )
     engine.warm_up()  # compiles; the dynamic graph remembers the weights
-    graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front),
-                key=lambda g: g.stats.calls)
+    graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front), key=lambda g: g.stats.calls)
     before = {k[0] for k in graph.captured}  # what the warm-up captured
     guess = piecewise_backend.estimate_graph_memory("all", graph)
     # the largest and the smallest, at most two captures

@@ -22,8 +22,9 @@ SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
 
 
 def _serve(model, forward, graph_mode):
-    engine = toy.Engine(model, forward, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda",
-                        graph_mode=graph_mode)
+    engine = toy.Engine(
+        model, forward, max_num_tokens=48, max_num_seqs=6, num_blocks=96, device="cuda", graph_mode=graph_mode
+    )
     return [r.output for r in engine.run(toy.seeded_trace(16, seed=3, vocab=model.cfg.vocab))], engine
 
 
@@ -35,16 +36,20 @@ def test_the_engine_with_full_decode_graphs_gives_the_eager_engines_tokens():
     expected, _ = _serve(model, None, "full_and_piecewise")
     host_path, _ = _serve(model, None, "piecewise")
     assert expected == host_path  # the paged decode kernel agrees with the varlen path
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": [toy.ATTENTION],
-                                                                   "row_independent_ops": [toy.ATTENTION]})
+    compiled = torch.compile(
+        model,
+        backend="piecewise",
+        options={"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]},
+    )
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*(capture at shape key|full capture)")  # none may fail
         got, engine = _serve(model, compiled, "full_and_piecewise")
     assert got == expected
     graphs = graphs_since(start)
     assert sum(g.stats.full_replays for g in graphs) > 0 and sum(g.stats.piecewise_replays for g in graphs) > 0
-    assert all(not g.stats.full_fallbacks and g.stats.ungraphed_runs == 0 for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert all(not g.stats.full_fallbacks and g.stats.ungraphed_runs == 0 for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
     padded = [s.num_tokens for s in engine.steps if s.num_prefill_tokens == 0 and s.num_tokens in (3, 5, 6)]
     assert padded, "the trace has decode batches that pad"
 
@@ -56,7 +61,7 @@ _STATE: dict = {}
 def _scaled(x: torch.Tensor, out: torch.Tensor) -> None:
     if _STATE.get("sync"):
         float(x.sum())  # a host sync: fails inside a capture
-    out.copy_(x * _STATE["scale"][:x.shape[0]])
+    out.copy_(x * _STATE["scale"][: x.shape[0]])
 
 
 _scaled.register_fake(lambda x, out: None)
@@ -85,9 +90,15 @@ def test_full_graphs_read_new_metadata_keep_outputs_and_fall_back_on_a_host_sync
     torch.manual_seed(0)
     _STATE.update(scale=torch.ones(64, 1, device="cuda"), sync=False)
     model = _Model().cuda().eval()
-    compiled = torch.compile(model, backend="piecewise", options={
-        "extra_splitting_ops": ["full_cuda_test::scaled"], "row_independent_ops": ["full_cuda_test::scaled"],
-        "defer_captures": False})
+    compiled = torch.compile(
+        model,
+        backend="piecewise",
+        options={
+            "extra_splitting_ops": ["full_cuda_test::scaled"],
+            "row_independent_ops": ["full_cuda_test::scaled"],
+            "defer_captures": False,
+        },
+    )
     x, y = torch.randn(6, 16, device="cuda"), torch.randn(6, 16, device="cuda")
     _call(compiled, x, "piecewise")  # compiles
     graph = piecewise_backend.compiled_graphs()[-1]

@@ -51,8 +51,14 @@ print("OK", stats.captures, stats.replays)
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_graphs_survive_a_reduce_overhead_model_in_the_same_process():
-    child = subprocess.run([sys.executable, "-c", CHILD], cwd=Path(__file__).resolve().parents[1], capture_output=True,
-                           text=True, timeout=600)
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert child.returncode == 0 and "OK" in child.stdout, (
         "piecewise graphs broke after a reduce-overhead model captured in the same process (does a "
-        "captured matmul use a cuBLAS workspace outside the graph pool?):\n" + child.stderr[-4000:])
+        "captured matmul use a cuBLAS workspace outside the graph pool?):\n" + child.stderr[-4000:]
+    )

@@ -17,8 +17,9 @@ TOL = {"atol": 2e-3, "rtol": 2e-3}
 
 @pytest.mark.parametrize("options", [{}, {"graph_attention": False}], ids=["graph-attention", "eager-attention"])
 def test_padding_stops_at_the_rows_of_a_kv_cache_on_cuda(options):
-    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6, max_seq=64),
-                                                        {"capture_sizes": [2, 4, 8], **options}, device="cuda")
+    compiled, reference, start = compile_with_reference(
+        ToyLlama, ToyConfig(layers=2, max_batch=6, max_seq=64), {"capture_sizes": [2, 4, 8], **options}, device="cuda"
+    )
     with torch.no_grad(), sdpa_backends("cuda"):
         results = decode_at_sizes(compiled, reference, (3, 5, 6, 2, 5), device="cuda")
     torch.cuda.synchronize()
@@ -31,8 +32,9 @@ def test_padding_stops_at_the_rows_of_a_kv_cache_on_cuda(options):
 
 
 def test_new_weights_get_new_graphs_and_the_old_tensors_stay_untouched_on_cuda():
-    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=8),
-                                                        {"capture_sizes": [2, 4, 8]}, device="cuda")
+    compiled, reference, start = compile_with_reference(
+        ToyLlama, ToyConfig(layers=2, max_batch=8), {"capture_sizes": [2, 4, 8]}, device="cuda"
+    )
     with torch.no_grad(), sdpa_backends("cuda"):
         results = decode_at_sizes(compiled, reference, (3, 4), device="cuda")
         old = [(p, p.detach().clone()) for p in compiled._orig_mod.parameters()]

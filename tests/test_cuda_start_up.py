@@ -19,8 +19,7 @@ OPTIONS = {"extra_splitting_ops": [ATTENTION], "row_independent_ops": [ATTENTION
 
 
 def _engine(model, forward, mode="full_and_piecewise"):
-    return Engine(model, forward, max_num_tokens=32, max_num_seqs=5, num_blocks=80, device="cuda",
-                  graph_mode=mode)
+    return Engine(model, forward, max_num_tokens=32, max_num_seqs=5, num_blocks=80, device="cuda", graph_mode=mode)
 
 
 def _model():
@@ -65,6 +64,7 @@ def test_served_first_then_switched_to_inductor_compiled_in_a_worker_keeps_eager
     got = _one_by_one(engine, seeded_trace(12, seed=5, vocab=model.cfg.vocab), after=wait_for_the_compile)
     assert got == expected
     graphs = [g for g in graphs_since(start) if g.plan.pieces]
-    assert all(g.stats.code_switches == 1 and g.stats.inductor_compiles > 0 for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert all(g.stats.code_switches == 1 and g.stats.inductor_compiles > 0 for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
     assert sum(g.stats.full_replays for g in graphs) > 0

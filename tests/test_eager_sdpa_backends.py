@@ -16,8 +16,12 @@ from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
-_flags = {"flash": torch.backends.cuda.flash_sdp_enabled, "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
-          "math": torch.backends.cuda.math_sdp_enabled, "cudnn": torch.backends.cuda.cudnn_sdp_enabled}
+_flags = {
+    "flash": torch.backends.cuda.flash_sdp_enabled,
+    "efficient": torch.backends.cuda.mem_efficient_sdp_enabled,
+    "math": torch.backends.cuda.math_sdp_enabled,
+    "cudnn": torch.backends.cuda.cudnn_sdp_enabled,
+}
 
 
 def _enable(name: str, on: bool) -> None:

@@ -63,12 +63,16 @@ def test_the_compiled_engine_gives_the_eager_engines_tokens_over_a_seeded_trace(
 
 def test_an_op_tagged_cudagraph_unsafe_is_split_like_a_declared_one(tagged, declared):
     assert tagged["got"] == tagged["expected"]
-    for mine, theirs in zip(sorted(tagged["graphs"], key=lambda g: g.stats.calls),
-                            sorted(declared["graphs"], key=lambda g: g.stats.calls)):
+    for mine, theirs in zip(
+        sorted(tagged["graphs"], key=lambda g: g.stats.calls), sorted(declared["graphs"], key=lambda g: g.stats.calls)
+    ):
         assert [p.kind for p in mine.pieces] == [p.kind for p in theirs.pieces]
         assert mine.stats.captured_keys == theirs.stats.captured_keys
-        assert (mine.stats.captures, mine.stats.replays, mine.stats.ungraphed_runs) == \
-            (theirs.stats.captures, theirs.stats.replays, theirs.stats.ungraphed_runs)
+        assert (mine.stats.captures, mine.stats.replays, mine.stats.ungraphed_runs) == (
+            theirs.stats.captures,
+            theirs.stats.replays,
+            theirs.stats.ungraphed_runs,
+        )
     graph = _busiest(tagged)
     assert graph.stats.unsafe_ops == (TAGGED_ATTENTION,)
     assert f"split at ops tagged cudagraph_unsafe: {TAGGED_ATTENTION}" in graph.stats.summary()

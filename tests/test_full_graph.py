@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 # -- the serving engine: decode-only steps full, the rest piecewise -------------------------------------
 
+
 def _serve(model, forward, graph_mode, requests=10, seed=2):
     engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=5, num_blocks=80, graph_mode=graph_mode)
     return [r.output for r in engine.run(seeded_trace(requests, seed=seed, vocab=model.cfg.vocab))], engine
@@ -40,9 +41,15 @@ def _engine_run(options: dict, op: str = ATTENTION):
         warnings.simplefilter("always")
         got, engine = _serve(model, compiled, "full_and_piecewise")
     graphs = graphs_since(start)
-    return {"expected": expected, "got": got, "graphs": graphs, "steps": engine.steps, "model": model,
-            "compiled": compiled,
-            "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)]}
+    return {
+        "expected": expected,
+        "got": got,
+        "graphs": graphs,
+        "steps": engine.steps,
+        "model": model,
+        "compiled": compiled,
+        "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -66,10 +73,13 @@ def test_decode_steps_replay_full_graphs_and_give_the_eager_engines_tokens(decla
     assert len(decode_sizes) >= 3, decode_sizes
     graphs = declared["graphs"]
     assert sum(g.stats.full_replays for g in graphs) > 0 and sum(g.stats.piecewise_replays for g in graphs) > 0
-    assert all(not g.stats.full_fallbacks and not g.stats.full_failures for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert all(not g.stats.full_fallbacks and not g.stats.full_failures for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
     graph = _dynamic(declared)
-    assert "full padding: s" in graph.stats.summary() and "padded up to the next capture size" in graph.stats.full_padding
+    assert (
+        "full padding: s" in graph.stats.summary() and "padded up to the next capture size" in graph.stats.full_padding
+    )
     full_sizes = {size for (mode, size), _ in graph.stats.graph_calls.items() if mode == GraphMode.FULL}
     assert full_sizes <= set(graph.policy.sizes)  # every full graph is of a capture size: 3 pads to 4
     assert any(n not in graph.policy.sizes for n in decode_sizes if n > 1), decode_sizes  # and some padded
@@ -82,8 +92,9 @@ def test_an_undeclared_opaque_op_refuses_full_padding_naming_it_and_sizes_are_ca
     graph = _dynamic(undeclared)
     note = graph.stats.full_padding
     assert "engine::attention" in note and "row_independent_ops" in note and "captured as it is" in note
-    assert set(graph.stats.full_keys) == {(n,) for (mode, n), _ in graph.stats.graph_calls.items()
-                                          if mode == GraphMode.FULL}  # each size its own graph, none padded
+    assert set(graph.stats.full_keys) == {
+        (n,) for (mode, n), _ in graph.stats.graph_calls.items() if mode == GraphMode.FULL
+    }  # each size its own graph, none padded
     # piecewise graphs still pad: the op runs eagerly between them at the step's own size
     assert "padded up to the next capture size" in graph.stats.padding
 
@@ -93,7 +104,7 @@ def test_an_op_tagged_cudagraph_unsafe_keeps_every_call_piecewise_and_says_why()
     assert run["got"] == run["expected"]
     graph = _dynamic(run)
     assert graph.stats.full_replays == 0 and graph.stats.piecewise_replays > 0
-    (reason, count), = graph.stats.full_fallbacks.items()
+    ((reason, count),) = graph.stats.full_fallbacks.items()
     assert TAGGED_ATTENTION in reason and "cudagraph_unsafe" in reason and count > 0
     assert "run piecewise" in graph.stats.summary()
 
@@ -129,7 +140,7 @@ _FRAGILE = {"refuse": False}
 def _scaled(x: torch.Tensor, out: torch.Tensor) -> None:
     if _FRAGILE["refuse"] and emulation.capturing():
         raise RuntimeError("full_test::scaled reads host state and must not be captured")
-    out.copy_(x * _STATE["scale"][:x.shape[0]])
+    out.copy_(x * _STATE["scale"][: x.shape[0]])
 
 
 _scaled.register_fake(lambda x, out: None)
@@ -152,9 +163,15 @@ def toy():
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = _Model().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["full_test::scaled"],
-                                                                   "row_independent_ops": ["full_test::scaled"],
-                                                                   "defer_captures": False})
+    compiled = torch.compile(
+        model,
+        backend="piecewise",
+        options={
+            "extra_splitting_ops": ["full_test::scaled"],
+            "row_independent_ops": ["full_test::scaled"],
+            "defer_captures": False,
+        },
+    )
     x = torch.randn(5, 4)
     torch._dynamo.mark_dynamic(x, 0)
     with torch.no_grad():

@@ -20,8 +20,16 @@ from piecewise_backend.ops.prefix_attention import prefix_attention
 from piecewise_backend.runtime.step_scalars import StepScalars
 from toys.models import ToyConfig, ToyLlama
 
-from .helpers import assert_close_steps, assert_results_close, busiest_graph, compile_with_reference, \
-    decode_at_sizes, graphs_since, last_serial, llama_decode
+from .helpers import (
+    assert_close_steps,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    graphs_since,
+    last_serial,
+    llama_decode,
+)
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 OPTIONS = {"capture_sizes": [2, 4, 8]}  # graph_attention is the default: these tests also check that it is
@@ -31,8 +39,9 @@ pytestmark = pytest.mark.usefixtures("emulated_graphs")
 def _attention_case(device, buffer_len, batch=3, heads=4, dim=64, dtype=torch.float32, kv_heads=None):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(batch, heads, 1, dim, generator=g).to(device, dtype)
-    k_cache, v_cache = torch.randn(2, batch + 2, kv_heads or heads, buffer_len, dim,
-                                   generator=g).to(device, dtype).unbind(0)
+    k_cache, v_cache = (
+        torch.randn(2, batch + 2, kv_heads or heads, buffer_len, dim, generator=g).to(device, dtype).unbind(0)
+    )
     return q, k_cache.contiguous(), v_cache.contiguous()
 
 
@@ -45,8 +54,9 @@ PREFIXES = [(20, 1), (20, 7), (20, 20), (300, 1), (300, 65), (300, 300)]  # (buf
 def test_prefix_attention_is_attention_over_the_prefix(device, buffer_len, length, kv_heads, scale):
     q, k_cache, v_cache = _attention_case(device, buffer_len, kv_heads=kv_heads)
     got = prefix_attention(q, k_cache, v_cache, torch.tensor(length, device=device), scale)
-    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :length], v_cache[:3, :, :length], scale=scale,
-                                          enable_gqa=kv_heads != 4)
+    want = F.scaled_dot_product_attention(
+        q, k_cache[:3, :, :length], v_cache[:3, :, :length], scale=scale, enable_gqa=kv_heads != 4
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -61,8 +71,13 @@ def test_prefix_attention_takes_a_mask_over_the_buffer(device, per, kind):
         mask[0, ..., :9] = False  # left padding
     mask = mask.to(device)
     got = prefix_attention(q, k_cache, v_cache, torch.tensor(23, device=device), None, mask)
-    want = F.scaled_dot_product_attention(q, k_cache[:3, :, :23], v_cache[:3, :, :23], enable_gqa=True,
-                                          attn_mask=mask[:3 if per == "row" else 1, ..., :23])
+    want = F.scaled_dot_product_attention(
+        q,
+        k_cache[:3, :, :23],
+        v_cache[:3, :, :23],
+        enable_gqa=True,
+        attn_mask=mask[: 3 if per == "row" else 1, ..., :23],
+    )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
@@ -76,13 +91,18 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
     if kernel == "split_key_triton" and not decode_kernel.available():
         pytest.skip("Triton is not installed")
     run = decode_kernel.prefix_attention if kernel == "split_key_triton" else _efficient_prefix_attention
-    cases = ((1, torch.float32, 1e-4, 16, None), (3, torch.bfloat16, 2e-2, 16, None), (20, torch.bfloat16, 2e-2, 16, None),
-             (3, torch.bfloat16, 2e-2, 4, 0.3))  # the last: GQA (4 query heads per cache head) and a scale
+    cases = (
+        (1, torch.float32, 1e-4, 16, None),
+        (3, torch.bfloat16, 2e-2, 16, None),
+        (20, torch.bfloat16, 2e-2, 16, None),
+        (3, torch.bfloat16, 2e-2, 4, 0.3),
+    )  # the last: GQA (4 query heads per cache head) and a scale
     for batch, dtype, tol, kv_heads, scale in cases:
         q, k_cache, v_cache = _attention_case("cuda", buffer_len, batch=batch, heads=16, dtype=dtype, kv_heads=kv_heads)
         got = run(q, k_cache[:batch], v_cache[:batch], torch.tensor([length], device="cuda"), scale)
-        want = F.scaled_dot_product_attention(q, k_cache[:batch, :, :length], v_cache[:batch, :, :length],
-                                              scale=scale, enable_gqa=kv_heads != 16)
+        want = F.scaled_dot_product_attention(
+            q, k_cache[:batch, :, :length], v_cache[:batch, :, :length], scale=scale, enable_gqa=kv_heads != 16
+        )
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
@@ -140,8 +160,9 @@ def test_split_key_kernel_in_tritons_interpreter():
     the merge must skip them), odd head dims, each block size, a buffer long enough for chunks of
     several blocks."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED_CHECK], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", INTERPRETED_CHECK], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
 
 
@@ -219,7 +240,7 @@ def test_the_next_decode_position_is_written_ahead_of_its_call(one_graph_decode,
     assert [log[i][1][j] for i in calls] == list(range(5, 5 + len(calls))) and len(calls) >= 5, log
     for i in calls[2:]:
         values = log[i][1]
-        ahead = values[:j] + [values[j] + 1] + values[j + 1:]
+        ahead = values[:j] + [values[j] + 1] + values[j + 1 :]
         assert log[i - 1] == ("write", values), log  # written ahead, by the step before
         assert log[i + 1] == ("write", ahead), log  # no write of its own: only the next one's
     assert scalars.tensor[1 + j].item() == log[calls[-1]][1][j] + 1
@@ -259,15 +280,17 @@ class _GqaDecode(torch.nn.Module):
         B, S, _ = x.shape
         q = self.q(x).view(B, S, self.heads, self.dim).transpose(1, 2)
         k, v = (p.view(B, S, self.kv_heads, self.dim).transpose(1, 2) for p in self.kv(x).chunk(2, dim=-1))
-        self.k_cache[:B, :, t:t + S] = k
-        self.v_cache[:B, :, t:t + S] = v
-        keys, values = self.k_cache[:B, :, :t + S], self.v_cache[:B, :, :t + S]
+        self.k_cache[:B, :, t : t + S] = k
+        self.v_cache[:B, :, t : t + S] = v
+        keys, values = self.k_cache[:B, :, : t + S], self.v_cache[:B, :, : t + S]
         groups = self.heads // self.kv_heads
         if self.form == "repeat_interleave":
             keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
         elif self.form == "repeat_kv":
             b, h, n, d = keys.shape
-            keys, values = (x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d) for x in (keys, values))
+            keys, values = (
+                x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d) for x in (keys, values)
+            )
         o = F.scaled_dot_product_attention(q, keys, values, scale=0.25, enable_gqa=self.form == "enable_gqa")
         return self.out(o.transpose(1, 2).reshape(B, S, self.heads * self.dim))
 
@@ -315,11 +338,16 @@ class _PaddedDecode(torch.nn.Module):
     def forward(self, x, t: int):
         B, S, _ = x.shape
         q, k, v = (p.view(B, S, self.heads, self.dim).transpose(1, 2) for p in self.qkv(x).chunk(3, dim=-1))
-        self.k_cache[:B, :, t:t + S] = k
-        self.v_cache[:B, :, t:t + S] = v
-        mask = torch.ones(B, 1, 1, t + S, dtype=torch.bool, device=x.device) if self.built \
-            else self.pad_mask[:B, :, :, :t + S]
-        o = F.scaled_dot_product_attention(q, self.k_cache[:B, :, :t + S], self.v_cache[:B, :, :t + S], attn_mask=mask)
+        self.k_cache[:B, :, t : t + S] = k
+        self.v_cache[:B, :, t : t + S] = v
+        mask = (
+            torch.ones(B, 1, 1, t + S, dtype=torch.bool, device=x.device)
+            if self.built
+            else self.pad_mask[:B, :, :, : t + S]
+        )
+        o = F.scaled_dot_product_attention(
+            q, self.k_cache[:B, :, : t + S], self.v_cache[:B, :, : t + S], attn_mask=mask
+        )
         return self.out(o.transpose(1, 2).reshape(B, S, self.heads * self.dim))
 
 

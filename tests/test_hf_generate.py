@@ -28,8 +28,15 @@ PROMPT = 7
 
 
 def _config(arch: str, layers: int, hidden: int, **hybrid_overrides):
-    common = dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=256,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     if arch == "llama":
         return transformers.LlamaConfig(**common), transformers.LlamaForCausalLM
     if arch == "qwen2":
@@ -39,8 +46,9 @@ def _config(arch: str, layers: int, hidden: int, **hybrid_overrides):
     if arch == "gemma":
         return transformers.GemmaConfig(head_dim=hidden // 8, **common), transformers.GemmaForCausalLM
     if arch == "gemma2":  # attention written as matmuls (its default in transformers 5.24, asked for by name)
-        return transformers.Gemma2Config(head_dim=hidden // 8, sliding_window=4, attn_implementation="eager",
-                                         **common), transformers.Gemma2ForCausalLM
+        return transformers.Gemma2Config(
+            head_dim=hidden // 8, sliding_window=4, attn_implementation="eager", **common
+        ), transformers.Gemma2ForCausalLM
     if arch == "qwen3":  # q/k norms
         return transformers.Qwen3Config(head_dim=hidden // 8, **common), transformers.Qwen3ForCausalLM
     if arch == "granite":  # the issue's second-call model: multipliers on embeddings, residuals and logits
@@ -48,8 +56,10 @@ def _config(arch: str, layers: int, hidden: int, **hybrid_overrides):
     if arch == "phi3":  # fused QKV and gate/up projections
         return transformers.Phi3Config(pad_token_id=0, **common), transformers.Phi3ForCausalLM
     if arch == "gpt2":
-        return (transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
-                transformers.GPT2LMHeadModel)
+        return (
+            transformers.GPT2Config(vocab_size=256, n_embd=hidden, n_layer=layers, n_head=4, n_positions=512),
+            transformers.GPT2LMHeadModel,
+        )
     # sliding-window layers beside full-attention ones, a window shorter than prompt + new tokens
     hybrid = dict(layer_types=["sliding_attention", "full_attention"] * max(1, layers // 2), sliding_window=4)
     hybrid.update(hybrid_overrides)
@@ -105,6 +115,7 @@ def _compiled_and_eager(model, **compile_kwargs):
         mine = _generate(model, ids, new_tokens)
         model.forward = eager_forward
         return batch, mine, _generate(model, ids, new_tokens)
+
     return both
 
 
@@ -209,9 +220,12 @@ def test_sliding_and_full_attention_layers_with_the_dynamic_cache_give_eager_tok
 # Hybrid models as a user meets them, unlike the configurations above: three layers, Gemma 3's all
 # sliding (transformers 5.17 then builds a full-attention mask nothing reads) with a window the run
 # never fills, the others two sliding layers to one full with a window filled in a few steps.
-HYBRID_CHECK = {"gemma3": (["sliding_attention"] * 3, 64), "exaone4": (["sliding_attention"] * 2 + ["full_attention"], 64),
-                "olmo3": (["sliding_attention"] * 2 + ["full_attention"], 5),
-                "cohere2": (["sliding_attention"] * 2 + ["full_attention"], 5)}
+HYBRID_CHECK = {
+    "gemma3": (["sliding_attention"] * 3, 64),
+    "exaone4": (["sliding_attention"] * 2 + ["full_attention"], 64),
+    "olmo3": (["sliding_attention"] * 2 + ["full_attention"], 5),
+    "cohere2": (["sliding_attention"] * 2 + ["full_attention"], 5),
+}
 
 
 def _decode_calls_graphed(start: int, batches, new_tokens: int) -> float:
@@ -317,8 +331,9 @@ def test_beam_search_gives_eager_tokens(cache):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.no_grad():
-            mine = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False,
-                                  pad_token_id=0, **kwargs)
+            mine = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False, pad_token_id=0, **kwargs
+            )
     assert torch.equal(mine, theirs)
     graphs = graphs_since(start)
     if cache == "dynamic":
@@ -426,8 +441,9 @@ def test_sliding_window_static_cache_decode_step_is_one_compute_piece():
     start = last_serial()
     _assert_same_tokens(_generate_both(cls(config).eval(), (1, 3), 8, "cpu", cache_implementation="static"))
     decode = [g for g in graphs_since(start) if g.stats.replays > 0]
-    assert len(decode) == 2 and all(g.stats.num_compute_pieces == 1 for g in decode), \
-        [g.stats.summary() for g in decode]
+    assert len(decode) == 2 and all(g.stats.num_compute_pieces == 1 for g in decode), [
+        g.stats.summary() for g in decode
+    ]
 
 
 @pytest.mark.usefixtures("emulated_graphs")
@@ -533,8 +549,9 @@ def test_the_readmes_compile_config_line_runs_eager_on_cpu_as_the_readme_says():
     start = last_serial()
     model = _model("llama", "cpu", layers=1)
     ids = torch.randint(0, 256, (2, PROMPT), generator=torch.Generator().manual_seed(0))
-    mine = _generate(model, ids, 4, cache_implementation="static",
-                     compile_config=transformers.CompileConfig(backend="piecewise"))
+    mine = _generate(
+        model, ids, 4, cache_implementation="static", compile_config=transformers.CompileConfig(backend="piecewise")
+    )
     assert graphs_since(start) == []
     model.generation_config.disable_compile = True
     assert torch.equal(mine, _generate(model, ids, 4, cache_implementation="static"))
@@ -584,8 +601,9 @@ def test_other_architectures_on_cuda_give_eager_tokens(arch):
         assert decode.stats.replays > 0 and decode.stats.ungraphed_runs == 0, decode.stats.summary()
         # a graph left un-graphed says why (transformers 5.17: a prefill reading a CPU counter)
         for g in graphs_since(start):
-            assert not g.stats.ungraphed_runs or g.stats.graphs_disabled_reason or g.stats.miss_details, \
+            assert not g.stats.ungraphed_runs or g.stats.graphs_disabled_reason or g.stats.miss_details, (
                 g.stats.summary()
+            )
 
 
 @pytest.mark.cuda

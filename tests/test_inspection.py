@@ -73,8 +73,9 @@ def test_graphed_and_captured_columns_with_emulated_graphs():
         model = init_weights_(ToyCustomAttentionLlama(CFG)).eval()
         ids = torch.randint(0, CFG.vocab, (4, 1))
         torch._dynamo.mark_dynamic(ids, 0)
-        (report,) = piecewise_backend.inspect_split(model, ids, 0, options={
-            "extra_splitting_ops": ["toyattn::attention"], "capture_sizes": [2, 4]})
+        (report,) = piecewise_backend.inspect_split(
+            model, ids, 0, options={"extra_splitting_ops": ["toyattn::attention"], "capture_sizes": [2, 4]}
+        )
     compute = [p for p in report.pieces if p.kind == "compute"]
     assert all(p.graphed and p.captured == ((4,),) for p in compute)
     assert [p.label for p in report.pieces if p.kind == "split"] == ["attention"] * CFG.layers
@@ -119,8 +120,9 @@ def test_a_figure_without_matplotlib_says_how_to_get_it(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     torch._dynamo.reset()
-    report = piecewise_backend.inspect_split(init_weights_(ToyLlama(ToyConfig(layers=1))).eval(),
-                                             torch.randint(0, 128, (2, 4)), 0)[-1]
+    report = piecewise_backend.inspect_split(
+        init_weights_(ToyLlama(ToyConfig(layers=1))).eval(), torch.randint(0, 128, (2, 4)), 0
+    )[-1]
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     with pytest.raises(ImportError, match="need matplotlib: pip install matplotlib"):
         report.save_png("x.png")
@@ -140,11 +142,14 @@ def test_depyf_dump_after_inspect_split_says_it_wrote_nothing(tmp_path):
     assert not any("piecewise_split_graph" in f for f in os.listdir(tmp_path))
 
 
-@pytest.mark.parametrize("options,emulate,expected", [
-    ({}, True, {"graph: the graph-safe decode kernel"}),
-    ({"graph_attention": False}, True, {"eager: graph_attention=False in options"}),
-    ({}, False, {"eager: graphs need CUDA tensors; inputs are on cpu"}),
-])
+@pytest.mark.parametrize(
+    "options,emulate,expected",
+    [
+        ({}, True, {"graph: the graph-safe decode kernel"}),
+        ({"graph_attention": False}, True, {"eager: graph_attention=False in options"}),
+        ({}, False, {"eager: graphs need CUDA tensors; inputs are on cpu"}),
+    ],
+)
 def test_report_says_how_each_attention_runs_and_why_not_in_the_graph(options, emulate, expected):
     from .helpers import busiest_graph, compile_with_reference, decode_at_sizes, graphs_since
 
@@ -173,10 +178,11 @@ class _ScaledDecode(torch.nn.Module):
     def forward(self, x, t: int):
         B = x.shape[0]
         q = self.proj(x).view(B, 1, 2, 4).transpose(1, 2)
-        self.k_cache[:B, :, t:t + 1] = q
-        keys = self.k_cache[:B, :, :t + 1]
-        return torch.nn.functional.scaled_dot_product_attention(q, keys, keys, dropout_p=self.dropout,
-                                                        is_causal=True).sum(1)
+        self.k_cache[:B, :, t : t + 1] = q
+        keys = self.k_cache[:B, :, : t + 1]
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, keys, keys, dropout_p=self.dropout, is_causal=True
+        ).sum(1)
 
 
 @pytest.mark.parametrize("dropout, named", [(0.0, "is_causal"), (0.5, "dropout_p, is_causal")])
@@ -192,5 +198,6 @@ def test_report_names_the_arguments_that_keep_attention_eager(dropout, named):
             for t in range(3):
                 compiled(torch.randn(2, 1, 8), t)
     (row,) = piecewise_backend.report(busiest_graph(start)).attention
-    assert row["runs"] == (f"eager: it passes {named} (the graph-safe kernel takes q, k, v, attn_mask, "
-                           "scale and enable_gqa alone)"), row
+    assert row["runs"] == (
+        f"eager: it passes {named} (the graph-safe kernel takes q, k, v, attn_mask, scale and enable_gqa alone)"
+    ), row

@@ -99,9 +99,9 @@ class CausalCache(nn.Module):
     def forward(self, x, pos: int):
         B, S, H = x.shape
         q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
-        self.kc[:B, :, pos:pos + S] = k
-        self.vc[:B, :, pos:pos + S] = v
-        o = F.scaled_dot_product_attention(q, self.kc[:B, :, :pos + S], self.vc[:B, :, :pos + S], is_causal=S > 1)
+        self.kc[:B, :, pos : pos + S] = k
+        self.vc[:B, :, pos : pos + S] = v
+        o = F.scaled_dot_product_attention(q, self.kc[:B, :, : pos + S], self.vc[:B, :, : pos + S], is_causal=S > 1)
         return self.o(o.transpose(1, 2).reshape(B, S, H))
 
 
@@ -112,8 +112,12 @@ def _replays(start: int) -> int:
 def _serving_calls(compiled, reference, sizes, device="cpu", tol=None):
     for n in sizes:
         ids, pos = torch.randint(0, 100, (n,), device=device), torch.arange(n, device=device)
-        torch.testing.assert_close(compiled(ids, pos), reference(ids, pos), msg=lambda m: f"{n} tokens: {m}",
-                                   **({"atol": tol, "rtol": tol} if tol else {}))
+        torch.testing.assert_close(
+            compiled(ids, pos),
+            reference(ids, pos),
+            msg=lambda m: f"{n} tokens: {m}",
+            **({"atol": tol, "rtol": tol} if tol else {}),
+        )
 
 
 def compiled_serving_model(device="cpu"):
@@ -122,8 +126,9 @@ def compiled_serving_model(device="cpu"):
     torch._dynamo.reset()
     start = last_serial()
     model = FusedQKV().to(device).eval()
-    compiled = torch.compile(model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]},
-                             dynamic=True)
+    compiled = torch.compile(
+        model, backend="piecewise", options={"extra_splitting_ops": ["live_server::attn"]}, dynamic=True
+    )
     return model, compiled, start
 
 
@@ -346,5 +351,6 @@ def test_a_value_read_with_item_is_never_replayed_with_its_captured_value():
             torch.testing.assert_close(compiled(x, n), model(x, n), msg=lambda m: f"k={k}: {m}")
     graph = graphs_since(start)[-1]
     assert _replays(start) > 0, graph.stats.summary()
-    assert any("a size the data decides" in r for p in graph.pieces for r in p.eager_reasons), \
-        [p.eager_reasons for p in graph.pieces]
+    assert any("a size the data decides" in r for p in graph.pieces for r in p.eager_reasons), [
+        p.eager_reasons for p in graph.pieces
+    ]

@@ -16,8 +16,14 @@ import torch
 from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama
 
-from .helpers import (assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, graphs_since,
-                      last_serial)
+from .helpers import (
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    graphs_since,
+    last_serial,
+)
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 SIZES = [2, 4, 8]
@@ -84,8 +90,11 @@ def test_with_dynamos_module_guards_skipped_moved_weights_still_get_graphs_of_th
     torch._dynamo.reset()
     start = last_serial()
     net = _mlp(0)
-    compiled = torch.compile(net, backend="piecewise", options={
-        "capture_sizes": SIZES, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+    compiled = torch.compile(
+        net,
+        backend="piecewise",
+        options={"capture_sizes": SIZES, "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+    )
     _calls(compiled, net)
     net.load_state_dict({k: torch.randn_like(v) for k, v in net.state_dict().items()}, assign=True)
     _calls(compiled, net)  # eager's outputs with the new weights
@@ -116,8 +125,9 @@ def test_weights_past_max_weight_sets_run_ungraphed_with_one_warning():
     torch._dynamo.reset()
     start = last_serial()
     nets = [_mlp(seed) for seed in (3, 4, 5)]
-    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
-                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    compiled = torch.compile(
+        lambda net, x: net(x), backend="piecewise", options={"capture_sizes": SIZES, "max_weight_sets": 2}
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -173,8 +183,9 @@ def test_past_max_weight_sets_addresses_that_come_again_replace_the_least_recent
     torch._dynamo.reset()
     start = last_serial()
     first, second, third = (_mlp(seed) for seed in (3, 4, 5))
-    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
-                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    compiled = torch.compile(
+        lambda net, x: net(x), backend="piecewise", options={"capture_sizes": SIZES, "max_weight_sets": 2}
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for net in (first, second, third, third, third):
@@ -199,8 +210,9 @@ def test_addresses_new_at_every_call_past_the_bound_stay_ungraphed():
     torch._dynamo.reset()
     start = last_serial()
     nets = [_mlp(seed) for seed in range(6)]
-    compiled = torch.compile(lambda net, x: net(x), backend="piecewise",
-                             options={"capture_sizes": SIZES, "max_weight_sets": 2})
+    compiled = torch.compile(
+        lambda net, x: net(x), backend="piecewise", options={"capture_sizes": SIZES, "max_weight_sets": 2}
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for net in nets:

@@ -106,8 +106,9 @@ def test_a_custom_op_declared_row_independent_is_padded_across():
 
 
 def test_row_wise_models_are_still_padded():
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.LayerNorm(32),
-                              torch.nn.Linear(32, 16), torch.nn.Softmax(-1)).eval()
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.LayerNorm(32), torch.nn.Linear(32, 16), torch.nn.Softmax(-1)
+    ).eval()
     graph = _run_at_sizes(net, (3, 5, 7))
     assert "padded up to the next capture size" in graph.stats.padding
     assert graph.captured == {(4,), (8,)}
@@ -154,8 +155,9 @@ def test_an_index_tensor_write_that_may_move_rows_is_never_padded(where):
 @pytest.mark.parametrize("options", [{}, {"graph_attention": False}], ids=["graph-attention", "eager-attention"])
 def test_padding_stops_at_the_rows_of_a_kv_cache(options):
     # a cache of 6 rows: a batch of 5 must not replay the graph of 8 (rows 6, 7 are not there)
-    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6),
-                                                        {"capture_sizes": SIZES, **options})
+    compiled, reference, start = compile_with_reference(
+        ToyLlama, ToyConfig(layers=2, max_batch=6), {"capture_sizes": SIZES, **options}
+    )
     results = decode_at_sizes(compiled, reference, (3, 5, 6, 2))
     assert_results_close(results)
     graph = busiest_graph(start)
@@ -168,8 +170,9 @@ def test_padding_stops_at_the_rows_of_a_kv_cache(options):
 
 
 def test_up_front_capture_skips_sizes_past_the_cache_rows():
-    compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=2, max_batch=6),
-                                                        {"capture_sizes": SIZES, "eager_capture_sizes": "all"})
+    compiled, reference, start = compile_with_reference(
+        ToyLlama, ToyConfig(layers=2, max_batch=6), {"capture_sizes": SIZES, "eager_capture_sizes": "all"}
+    )
     assert_results_close(decode_at_sizes(compiled, reference, (3, 2)))
     graph = busiest_graph(start)
     assert graph.captured == {(2,), (4,)}  # 8 would reach past the 6-row caches
@@ -197,8 +200,7 @@ def test_a_kv_length_in_a_compute_piece_stops_capturing_and_says_why(recwarn):
     torch._dynamo.reset()
     start = last_serial()
     net = MatmulAttention().eval()
-    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES,
-                                                                "max_unreplayed_captures": 4})
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES, "max_unreplayed_captures": 4})
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, 16, generator=g)
     torch._dynamo.mark_dynamic(x, 0)  # the batch pads; the KV length is exact: a shape key per length
@@ -298,8 +300,9 @@ def test_a_compiled_piece_that_raises_after_writing_is_undone_before_its_traced_
     start = last_serial()
     net = Accumulates().eval()
     reference = copy.deepcopy(net)
-    compiled = torch.compile(net, backend="piecewise", options={"mode": "full", "compiler": "eager",
-                                                                 "cudagraphs": False})
+    compiled = torch.compile(
+        net, backend="piecewise", options={"mode": "full", "compiler": "eager", "cudagraphs": False}
+    )
     x = torch.randn(3, 8)
     torch.testing.assert_close(compiled(x), reference(x))
     runner = next(r for r in busiest_graph(start).runners.values() if r.piece.restore_after_warmup)

@@ -86,9 +86,10 @@ class BroadcastingWrite(nn.Module):
 
     def forward(self, x, t: int):
         k = self.proj(x).unsqueeze(1)  # [2, 1, 1, 8]
-        self.cache[:, :, t:t + 2].copy_(k)
-        return self.proj(torch.nn.functional.scaled_dot_product_attention(k, self.cache[:, :, :t + 1],
-                                                                           self.cache[:, :, :t + 1]))
+        self.cache[:, :, t : t + 2].copy_(k)
+        return self.proj(
+            torch.nn.functional.scaled_dot_product_attention(k, self.cache[:, :, : t + 1], self.cache[:, :, : t + 1])
+        )
 
 
 def test_a_broadcasting_copy_stays_eager_and_matches(emulated_graphs):

@@ -28,8 +28,12 @@ def _imports(path: pathlib.Path, known: set[str], type_only: bool = False) -> se
     ``type_only``: they make no cycle, but they do couple layers)."""
     name = _module_name(path)
     tree = ast.parse(path.read_text())
-    type_only_nodes = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                 and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING") for n in ast.walk(node)}
+    type_only_nodes = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
     out = set()
     for node in ast.walk(tree):
         if id(node) in type_only_nodes and not type_only:
@@ -40,7 +44,7 @@ def _imports(path: pathlib.Path, known: set[str], type_only: bool = False) -> se
             base = node.module or ""
             if node.level:
                 anchor = _package_of(name, path).split(".")
-                anchor = anchor[:len(anchor) - node.level + 1]
+                anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 target = f"{base}.{alias.name}"
@@ -56,6 +60,7 @@ def _graph(type_only: bool = False) -> dict[str, set[str]]:
 def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """One import cycle among the package's modules (a package's ``__init__`` re-exporting its own
     submodules is not one: importing a submodule runs it first anyway), or None."""
+
     def edges(module):
         return {m for m in graph[module] if not (module.startswith(m + ".") and m in graph)}
 
@@ -67,7 +72,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(module)
         for nxt in sorted(edges(module)):
             if state.get(nxt) == 1:
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -110,22 +115,25 @@ def test_no_toy_or_timing_module_ships_in_the_package():
 
 def _code_without_strings(path: pathlib.Path) -> list[tuple[int, str]]:
     """(line number, code) of each token that is not a string, f-string part or comment."""
-    skip = {tokenize.STRING, tokenize.COMMENT} | {getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE",
-                                                                             "FSTRING_END") if hasattr(tokenize, n)}
+    skip = {tokenize.STRING, tokenize.COMMENT} | {
+        getattr(tokenize, n) for n in ("FSTRING_START", "FSTRING_MIDDLE", "FSTRING_END") if hasattr(tokenize, n)
+    }
     with path.open("rb") as f:
         return [(t.start[0], t.string) for t in tokenize.tokenize(f.readline) if t.type not in skip]
 
 
 def test_private_torch_apis_only_in_torch_internals():
-    private = re.compile(r"^torch\._(?!dynamo\.(mark_dynamic|reset)$)|^\.node\.expr|^\._schema\b|StorageWeakRef"
-                         r"|lazy_format_graph_code|^\._codegen\b")
+    private = re.compile(
+        r"^torch\._(?!dynamo\.(mark_dynamic|reset)$)|^\.node\.expr|^\._schema\b|StorageWeakRef"
+        r"|lazy_format_graph_code|^\._codegen\b"
+    )
     found = []
     for path in MODULES:
         if path.name == "_torch_internals.py":
             continue
         tokens = _code_without_strings(path)
         for i in range(len(tokens)):
-            dotted = "".join(t for _, t in tokens[i:i + 5])  # torch . _C . _nn
+            dotted = "".join(t for _, t in tokens[i : i + 5])  # torch . _C . _nn
             if private.search(dotted):
                 found.append(f"{path.relative_to(PACKAGE)}:{tokens[i][0]}: {dotted}")
     assert not found, "\n".join(found)
@@ -204,13 +212,18 @@ def test_no_import_crosses_the_layers_the_wrong_way():
 
 def test_the_layering_check_refuses_a_runtime_module_that_imports_compile_time():
     """What the check would say if ``runtime/`` reached back into compile time, or the plan into run time."""
-    graph = {"piecewise_backend.runtime.piece_runner": {"piecewise_backend.plan.types",
-                                                        "piecewise_backend.split.splitting"},
-             "piecewise_backend.plan.making": {"piecewise_backend.runtime.distributed",
-                                               "piecewise_backend.rewrite.graph_attention"},
-             "piecewise_backend.runtime.compiled_graph": {"piecewise_backend.plan.making",
-                                                          "piecewise_backend.ops.prefix_attention"},
-             "piecewise_backend.op_names": {"piecewise_backend.fx.graph_facts"}}
+    graph = {
+        "piecewise_backend.runtime.piece_runner": {"piecewise_backend.plan.types", "piecewise_backend.split.splitting"},
+        "piecewise_backend.plan.making": {
+            "piecewise_backend.runtime.distributed",
+            "piecewise_backend.rewrite.graph_attention",
+        },
+        "piecewise_backend.runtime.compiled_graph": {
+            "piecewise_backend.plan.making",
+            "piecewise_backend.ops.prefix_attention",
+        },
+        "piecewise_backend.op_names": {"piecewise_backend.fx.graph_facts"},
+    }
     assert layering_violations(graph) == [
         "piecewise_backend.op_names -> piecewise_backend.fx.graph_facts",
         "piecewise_backend.plan.making -> piecewise_backend.runtime.distributed",
@@ -244,16 +257,32 @@ def test_the_plan_types_import_no_compile_stage():
 
 def test_the_value_module_check_refuses_a_plan_that_imports_a_stage():
     """What the check says of the ``plan/types.py`` of ``dda5f7c``, which imported the rewrite stage."""
-    graph = {"piecewise_backend.plan.types": {"piecewise_backend.rewrite", "piecewise_backend.kinds",
-                                              "piecewise_backend._torch_internals"}}
+    graph = {
+        "piecewise_backend.plan.types": {
+            "piecewise_backend.rewrite",
+            "piecewise_backend.kinds",
+            "piecewise_backend._torch_internals",
+        }
+    }
     assert value_module_violations(graph) == ["piecewise_backend.plan.types -> piecewise_backend.rewrite"]
 
 
 #: Where a compile-time object's class lives: none may be reachable from a plan.
-COMPILE_TIME = ("piecewise_backend.rewrite", "piecewise_backend.split", "piecewise_backend.compiling",
-                "piecewise_backend.fx", "piecewise_backend.plan.making", "piecewise_backend.plan.inputs",
-                "piecewise_backend.plan.padding", "piecewise_backend.plan.rows", "piecewise_backend.config",
-                "torch._subclasses", "torch.fx.node", "torch.fx.experimental", "torch._guards")
+COMPILE_TIME = (
+    "piecewise_backend.rewrite",
+    "piecewise_backend.split",
+    "piecewise_backend.compiling",
+    "piecewise_backend.fx",
+    "piecewise_backend.plan.making",
+    "piecewise_backend.plan.inputs",
+    "piecewise_backend.plan.padding",
+    "piecewise_backend.plan.rows",
+    "piecewise_backend.config",
+    "torch._subclasses",
+    "torch.fx.node",
+    "torch.fx.experimental",
+    "torch._guards",
+)
 
 
 def compile_time_objects(value, path: str = "plan", seen: set | None = None) -> list[str]:
@@ -273,8 +302,13 @@ def compile_time_objects(value, path: str = "plan", seen: set | None = None) -> 
     if module.startswith(COMPILE_TIME):
         return [f"{path}: {module}.{type(value).__qualname__}"]
     if isinstance(value, torch.fx.GraphModule):
-        return [f"{path}.{n.name}.meta" for gm in (value, *value.children()) if isinstance(gm, torch.fx.GraphModule)
-                for n in gm.graph.nodes if n.meta]
+        return [
+            f"{path}.{n.name}.meta"
+            for gm in (value, *value.children())
+            if isinstance(gm, torch.fx.GraphModule)
+            for n in gm.graph.nodes
+            if n.meta
+        ]
     found = []
     if dataclasses.is_dataclass(value):
         for field in dataclasses.fields(value):
@@ -302,8 +336,9 @@ def decode_plan():
     from toys.models import ToyConfig, ToyLlama
 
     with emulated_graphs():
-        compiled, reference, start = compile_with_reference(ToyLlama, ToyConfig(layers=1, max_batch=4),
-                                                            {"compiler": "eager", "capture_sizes": [2, 4]})
+        compiled, reference, start = compile_with_reference(
+            ToyLlama, ToyConfig(layers=1, max_batch=4), {"compiler": "eager", "capture_sizes": [2, 4]}
+        )
         with torch.no_grad():
             decode_at_sizes(compiled, reference, [2, 3], steps=3)
     graphs = [g.plan for g in compiled_graphs() if g.serial > start]
@@ -326,11 +361,15 @@ def test_the_object_check_finds_a_fake_tensor_and_a_config_in_a_plan(decode_plan
 
     with FakeTensorMode() as mode:
         fake = mode.from_tensor(__import__("torch").zeros(2))
-    bad = dataclasses.replace(decode_plan, output_specs={"submod_0": fake},
-                              report=dataclasses.replace(decode_plan.report, attention=(PiecewiseConfig(),)))
+    bad = dataclasses.replace(
+        decode_plan,
+        output_specs={"submod_0": fake},
+        report=dataclasses.replace(decode_plan.report, attention=(PiecewiseConfig(),)),
+    )
     assert compile_time_objects(bad) == [
         "plan.output_specs['submod_0']: torch._subclasses.fake_tensor.FakeTensor",
-        "plan.report.attention[0]: piecewise_backend.config.PiecewiseConfig"]
+        "plan.report.attention[0]: piecewise_backend.config.PiecewiseConfig",
+    ]
 
 
 def test_run_time_reads_no_config_and_evaluates_no_plan_method():
@@ -339,6 +378,10 @@ def test_run_time_reads_no_config_and_evaluates_no_plan_method():
     runtime = [p for p in MODULES if p.parent.name == "runtime"]
     assert not [p.name for p in runtime if "PiecewiseConfig" in p.read_text() or ".config." in p.read_text()]
     types = ast.parse((PACKAGE / "plan" / "types.py").read_text())
-    evaluating = [n.name for n in ast.walk(types) if isinstance(n, ast.FunctionDef)
-                  and any(isinstance(c, ast.Attribute) and c.attr in ("xreplace", "subs", "evalf") for c in ast.walk(n))]
+    evaluating = [
+        n.name
+        for n in ast.walk(types)
+        if isinstance(n, ast.FunctionDef)
+        and any(isinstance(c, ast.Attribute) and c.attr in ("xreplace", "subs", "evalf") for c in ast.walk(n))
+    ]
     assert evaluating == []

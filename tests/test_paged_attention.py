@@ -19,7 +19,7 @@ def _case(rows=3, heads=4, kv_heads=2, dim=16, page=4, pages=24, width=5, dtype=
     q = torch.randn(rows, heads, dim, generator=g).to(device, dtype)
     k_cache = torch.randn(pages, page, kv_heads, dim, generator=g).to(device, dtype)
     v_cache = torch.randn(pages, page, kv_heads, dim, generator=g).to(device, dtype)
-    tables = torch.randperm(pages, generator=g)[:rows * width].view(rows, width).to(device, torch.int32)
+    tables = torch.randperm(pages, generator=g)[: rows * width].view(rows, width).to(device, torch.int32)
     lens = torch.randint(1, width * page + 1, (rows,), generator=g).to(device)
     lens[-1] = 0  # a padded row
     return q, k_cache, v_cache, tables, lens
@@ -36,13 +36,13 @@ def _expected(q, k_cache, v_cache, tables, lens):
         slots = [int(tables[row, i // page]) * page + i % page for i in range(n)]
         keys = k_cache.reshape(-1, *k_cache.shape[2:])[slots].float().transpose(0, 1)  # [kv_heads, n, dim]
         values = v_cache.reshape(-1, *v_cache.shape[2:])[slots].float().transpose(0, 1)
-        out[row] = F.scaled_dot_product_attention(q[row].float()[:, None], keys, values,
-                                                  enable_gqa=True)[:, 0]
+        out[row] = F.scaled_dot_product_attention(q[row].float()[:, None], keys, values, enable_gqa=True)[:, 0]
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,page", [(4, 2, 16, 4), (6, 1, 24, 8), (4, 4, 8, 16)],
-                         ids=["gqa", "mqa-head24", "mha"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page", [(4, 2, 16, 4), (6, 1, 24, 8), (4, 4, 8, 16)], ids=["gqa", "mqa-head24", "mha"]
+)
 def test_paged_decode_attention_matches_sdpa_over_each_rows_keys(heads, kv_heads, dim, page):
     q, k_cache, v_cache, tables, lens = _case(heads=heads, kv_heads=kv_heads, dim=dim, page=page, pages=40)
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens)
@@ -83,21 +83,37 @@ def test_paged_cache_write_stores_rows_at_their_slots_and_skips_slot_minus_one()
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("heads,kv_heads,dim,page,width,dtype", [
-    (12, 2, 128, 16, 80, torch.bfloat16),  # Qwen2.5-1.5B's heads, a long table: chunks of several blocks
-    (8, 8, 64, 16, 4, torch.float32),
-    (6, 2, 80, 32, 6, torch.float16),  # head size 80 (not a power of two), pages of 32
-    (32, 8, 96, 8, 40, torch.bfloat16),
-], ids=["qwen", "mha-fp32", "head80", "head96"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,page,width,dtype",
+    [
+        (12, 2, 128, 16, 80, torch.bfloat16),  # Qwen2.5-1.5B's heads, a long table: chunks of several blocks
+        (8, 8, 64, 16, 4, torch.float32),
+        (6, 2, 80, 32, 6, torch.float16),  # head size 80 (not a power of two), pages of 32
+        (32, 8, 96, 8, 40, torch.bfloat16),
+    ],
+    ids=["qwen", "mha-fp32", "head80", "head96"],
+)
 def test_cuda_kernels_match_the_reference(heads, kv_heads, dim, page, width, dtype):
-    q, k_cache, v_cache, tables, lens = _case(rows=5, heads=heads, kv_heads=kv_heads, dim=dim, page=page,
-                                              pages=5 * width + 3, width=width, dtype=dtype, device="cuda")
+    q, k_cache, v_cache, tables, lens = _case(
+        rows=5,
+        heads=heads,
+        kv_heads=kv_heads,
+        dim=dim,
+        page=page,
+        pages=5 * width + 3,
+        width=width,
+        dtype=dtype,
+        device="cuda",
+    )
     lens[0] = width * page  # a full table
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), _expected(q, k_cache, v_cache, tables, lens), atol=tol, rtol=tol)
     assert torch.count_nonzero(got[-1]) == 0
-    k, v = torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype), torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype)
+    k, v = (
+        torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype),
+        torch.randn(5, kv_heads, dim, device="cuda", dtype=dtype),
+    )
     slots = torch.tensor([3, -1, page * 2 + 1, -1, 0], device="cuda")
     k_ref, v_ref = k_cache.cpu().float(), v_cache.cpu().float()
     paged_cache_write(k.cpu().float(), v.cpu().float(), k_ref, v_ref, slots.cpu())
@@ -107,8 +123,9 @@ def test_cuda_kernels_match_the_reference(heads, kv_heads, dim, page, width, dty
 
 @pytest.mark.cuda
 def test_cuda_kernels_in_a_graph_read_new_lengths_and_tables_at_replay():
-    q, k_cache, v_cache, tables, lens = _case(rows=4, heads=4, kv_heads=2, dim=64, page=16, pages=64, width=8,
-                                              device="cuda")
+    q, k_cache, v_cache, tables, lens = _case(
+        rows=4, heads=4, kv_heads=2, dim=64, page=16, pages=64, width=8, device="cuda"
+    )
     out = torch.empty_like(q)
     paged_decode_attention(q, k_cache, v_cache, tables, lens, out=out)  # warm-up: compiles the kernels
     graph = torch.cuda.CUDAGraph()

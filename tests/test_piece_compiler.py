@@ -97,7 +97,9 @@ def test_fresh_copies_stand_in_for_outputs_outside_the_inputs_storages(fake_mode
     assert not suffice(x.view(8, 4), [x]), "a view of an input: another piece's would be of its own input"
     assert not suffice((a, a.view(torch.int32)), [x]), "one storage read as two dtypes"
     assert not suffice(torch.return_types.max((a, b)), [x]), "a named tuple is not rebuilt"
-    count = torch.empty((), dtype=torch.int64).item()  # a symbol made inside the piece: another piece would make another
+    count = torch.empty(
+        (), dtype=torch.int64
+    ).item()  # a symbol made inside the piece: another piece would make another
     assert not suffice(torch.empty(count), [x])
 
 

@@ -14,8 +14,15 @@ from piecewise_backend.rewrite import PLACEHOLDER
 from piecewise_backend.split.splitting import COMPUTE
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
-    graphs_since, program_nodes
+from .helpers import (
+    SPLIT_ATTENTION,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    graphs_since,
+    program_nodes,
+)
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
@@ -105,8 +112,9 @@ def test_a_position_past_the_buffer_is_refused_before_any_write(padded_decode):
 
 
 def test_off_keeps_the_writes_eager():
-    compiled, reference, start = compile_with_reference(ToyLlama, CFG, {**SPLIT_ATTENTION, "capture_sizes": [2, 4],
-                                                                        "capture_kv_writes": False})
+    compiled, reference, start = compile_with_reference(
+        ToyLlama, CFG, {**SPLIT_ATTENTION, "capture_sizes": [2, 4], "capture_kv_writes": False}
+    )
     with torch.no_grad():
         results = decode_at_sizes(compiled, reference, (3, 2))
     assert_results_close(results)
@@ -125,9 +133,9 @@ class WrittenTwice(torch.nn.Module):
 
     def forward(self, x, pos: int):
         B = x.shape[0]
-        self.cache[:B, pos:pos + 1] = self.lin(x)
+        self.cache[:B, pos : pos + 1] = self.lin(x)
         self.cache.mul_(0.5)
-        return self.lin(self.cache[:B, :pos + 1].sum(1, keepdim=True))
+        return self.lin(self.cache[:B, : pos + 1].sum(1, keepdim=True))
 
 
 def test_a_buffer_with_another_write_stays_eager():
@@ -146,8 +154,9 @@ def test_a_buffer_with_another_write_stays_eager():
 
 
 def test_full_mode_index_copy_writes_are_masked_so_up_front_capture_is_safe():
-    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, CFG, {
-        "mode": "full", "capture_sizes": [2, 4, 8], "eager_capture_sizes": [8, 4]})
+    compiled, reference, start = compile_with_reference(
+        ToyStaticCacheLlama, CFG, {"mode": "full", "capture_sizes": [2, 4, 8], "eager_capture_sizes": [8, 4]}
+    )
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2, 5), static_cache=True))
     _assert_caches_equal(compiled._orig_mod, reference)  # up-front captures and padded rows wrote nothing
@@ -161,8 +170,9 @@ def test_full_mode_refuses_up_front_capture_for_writes_it_cannot_mask():
     start = max((g.serial for g in graphs_since(0)), default=0)
     net, reference = WrittenTwice().eval(), WrittenTwice().eval()
     reference.load_state_dict(net.state_dict())
-    compiled = torch.compile(net, backend="piecewise", options={
-        "mode": "full", "capture_sizes": [2, 4], "eager_capture_sizes": [4]})
+    compiled = torch.compile(
+        net, backend="piecewise", options={"mode": "full", "capture_sizes": [2, 4], "eager_capture_sizes": [4]}
+    )
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for pos, size in enumerate((2, 2, 4, 4)):

@@ -13,8 +13,14 @@ from torch import nn
 from piecewise_backend.split.splitting import COMPUTE
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
-from .helpers import SPLIT_ATTENTION, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, \
-    last_serial
+from .helpers import (
+    SPLIT_ATTENTION,
+    assert_results_close,
+    busiest_graph,
+    compile_with_reference,
+    decode_at_sizes,
+    last_serial,
+)
 
 CFG = ToyConfig(layers=2, max_batch=8, max_seq=32)
 LENGTH = 6  # PeekPastTheEnd's cache positions
@@ -47,16 +53,16 @@ class PeekPastTheEnd(nn.Module):
 
     def forward(self, x, pos: int):
         k = self.proj(x)
-        self.cache[:x.shape[0], :, pos:pos + 1] = k
-        keys = self.cache[:x.shape[0], :, :pos + 2]
+        self.cache[: x.shape[0], :, pos : pos + 1] = k
+        keys = self.cache[: x.shape[0], :, : pos + 2]
         return self.proj(F.scaled_dot_product_attention(k, keys, keys))
 
 
 class ViewAlsoSummed(PeekPastTheEnd):
     def forward(self, x, pos: int):
         k = self.proj(x)
-        self.cache[:x.shape[0], :, pos:pos + 1] = k
-        keys = self.cache[:x.shape[0], :, :pos + 1]
+        self.cache[: x.shape[0], :, pos : pos + 1] = k
+        keys = self.cache[: x.shape[0], :, : pos + 1]
         return self.proj(F.scaled_dot_product_attention(k, keys, keys)) + keys.sum()
 
 
@@ -80,8 +86,11 @@ def test_a_stop_past_the_end_is_clamped_as_indexing_clamps_it():
     model, start = _compile_and_run(PeekPastTheEnd, range(LENGTH))
     graph = busiest_graph(start)
     gm = graph.plan.program.module
-    piece = next(gm._modules[p.name] for p in graph.pieces
-                 if p.kind != COMPUTE and "torch.as_strided(" in gm._modules[p.name].code)
+    piece = next(
+        gm._modules[p.name]
+        for p in graph.pieces
+        if p.kind != COMPUTE and "torch.as_strided(" in gm._modules[p.name].code
+    )
     inputs = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
     assert len(inputs) == 3, piece.code  # the position, the cache, the query
     k = torch.randn(2, 2, 1, 8)
@@ -89,7 +98,7 @@ def test_a_stop_past_the_end_is_clamped_as_indexing_clamps_it():
     args = {"pos": pos, "cache": model.cache, "k": k}
     with torch.no_grad():
         got = piece(*(next(v for key, v in args.items() if key in name) for name in inputs))
-        want = F.scaled_dot_product_attention(k, model.cache[:2, :, :pos + 2], model.cache[:2, :, :pos + 2])
+        want = F.scaled_dot_product_attention(k, model.cache[:2, :, : pos + 2], model.cache[:2, :, : pos + 2])
     torch.testing.assert_close(got, want)
 
 
@@ -102,8 +111,9 @@ def test_views_read_by_something_else_keep_indexing():
 def test_views_inside_compute_pieces_are_left_to_inductor():
     # full mode on the graph-safe twin: its SDPA reads k_cache[:B] (no per-step stop) in the one
     # compute piece, where a view costs nothing per step
-    compiled, reference, start = compile_with_reference(ToyStaticCacheLlama, CFG,
-                                                        {"mode": "full", "capture_sizes": [2, 4, 8]})
+    compiled, reference, start = compile_with_reference(
+        ToyStaticCacheLlama, CFG, {"mode": "full", "capture_sizes": [2, 4, 8]}
+    )
     with torch.no_grad():
         assert_results_close(decode_at_sizes(compiled, reference, (3, 2), static_cache=True))
     graph = busiest_graph(start)

@@ -76,8 +76,9 @@ def test_caching_precompile_leaves_the_backend_tracing_again(tmp_path):
     """)
     env = {**os.environ, "TORCH_CACHING_PRECOMPILE": "1", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     for run in ("first", "second"):
-        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                                env=env, cwd=ROOT)
+        result = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT
+        )
         assert result.returncode == 0, f"{run} process: {result.stderr[-3000:]}"
         assert result.stdout.strip().endswith("graphs built: 1"), (run, result.stdout)
         if run == "first":  # the Dynamo cache was written: the second process has something to load

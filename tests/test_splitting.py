@@ -12,8 +12,7 @@ CFG = ToyConfig(layers=3)
 
 
 def _llama_calls():
-    return [(torch.randint(0, 128, (2, 5)), 0), (torch.randint(0, 128, (2, 1)), 5),
-            (torch.randint(0, 128, (2, 1)), 6)]
+    return [(torch.randint(0, 128, (2, 5)), 0), (torch.randint(0, 128, (2, 1)), 5), (torch.randint(0, 128, (2, 1)), 6)]
 
 
 def test_llama_decode_graph_splits_at_each_attention():
@@ -51,8 +50,11 @@ def test_prefill_graph_without_step_scalar_has_no_eager_prologue():
 def test_gpt_caches_passed_as_arguments_are_written_eagerly():
     model = init_weights_(ToyGPT(CFG)).eval()
     caches = model.new_caches()
-    calls = [(torch.randint(0, 128, (1, 4)), caches, 0), (torch.randint(0, 128, (1, 1)), caches, 4),
-             (torch.randint(0, 128, (1, 1)), caches, 5)]
+    calls = [
+        (torch.randint(0, 128, (1, 4)), caches, 0),
+        (torch.randint(0, 128, (1, 1)), caches, 4),
+        (torch.randint(0, 128, (1, 1)), caches, 5),
+    ]
     splits, _ = split_only(model, calls)
     decode = splits[-1]
     assert [p.kind for p in decode.pieces] == [EAGER] + [COMPUTE, SPLIT] * CFG.layers + [COMPUTE]
@@ -144,8 +146,9 @@ def test_cutting_a_piece_at_attention_lifts_an_input_symbol_no_node_holds(unread
     for node in [n for n in gm.graph.nodes if n.op == "placeholder" and str(n.meta["example_value"]) == dropped]:
         gm.graph.erase_node(node)  # what the split leaves a piece that does not read the symbol
     gm.recompile()
-    cut = layer_chain.split_at_attention(gm, frozenset({"aten::scaled_dot_product_attention"}),
-                                         lambda sub: structural_key(sub, None))
+    cut = layer_chain.split_at_attention(
+        gm, frozenset({"aten::scaled_dot_product_attention"}), lambda sub: structural_key(sub, None)
+    )
     assert cut is not None
     chain, compute, readers = cut
     assert len(compute) == 7 and [what for _, what, _ in readers] == [unread]
@@ -219,7 +222,7 @@ def test_a_custom_op_called_through_its_packet_writes_its_out_and_is_never_dropp
     overload). The write to ``out`` went unseen there, and the op, whose result nothing reads, was
     dropped as dead: ``out`` was never written and the model's outputs were garbage."""
     from piecewise_backend.fx import graph_facts
-    from piecewise_backend.split import splitting
+    from piecewise_backend.split import graph_cleanup
 
     from .test_live_server import _attn  # noqa: F401  (registers live_server::attn, which writes out)
 
@@ -230,5 +233,5 @@ def test_a_custom_op_called_through_its_packet_writes_its_out_and_is_never_dropp
     dead = graph.call_function(torch.ops.aten.mul.Tensor, (q, q))  # read by nothing, writes nothing
     graph.output(graph.call_function(torch.ops.aten.add.Tensor, (out, q)))
     assert graph_facts.mutated_inputs(attn) == [out]
-    splitting._drop_dead_values(graph)
+    graph_cleanup.drop_dead_values(graph)
     assert attn in graph.nodes and dead not in graph.nodes

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import piecewise_backend
-
 from piecewise_backend.config import PiecewiseConfig
 from piecewise_backend.kinds import GraphMode
 from toys.engine import ATTENTION, TINY, Engine, EngineModel, seeded_trace
@@ -112,8 +111,7 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
     start = last_serial()
     model = _engine_model()
     expected = _serve(model, None, "piecewise", requests=12)
-    compiled = torch.compile(model, backend="piecewise",
-                             options={**ENGINE_OPTIONS, "compiler": "eager_then_inductor"})
+    compiled = torch.compile(model, backend="piecewise", options={**ENGINE_OPTIONS, "compiler": "eager_then_inductor"})
     engine = Engine(model, compiled, max_num_tokens=32, max_num_seqs=5, num_blocks=80)
     trace = seeded_trace(12, seed=3, vocab=model.cfg.vocab)
     served = []
@@ -131,8 +129,9 @@ def test_served_first_then_switched_to_inductors_code_between_calls_with_eager_t
                     time.sleep(0.05)
     assert served == expected
     graphs = graphs_since(start)
-    assert all(g.stats.code_switches == 1 and g.stats.inductor_compiles >= 1 for g in graphs), \
-        [g.stats.summary() for g in graphs]
+    assert all(g.stats.code_switches == 1 and g.stats.inductor_compiles >= 1 for g in graphs), [
+        g.stats.summary() for g in graphs
+    ]
     assert all(g.runners[name].fn is g.compiled_code[name] is not None for g in graphs for name in g.runners)
     assert sum(g.stats.replays + g.stats.full_replays for g in graphs) > sum(before.values())
     assert any(e.call > calls[g.serial] for g in graphs for e in g.stats.events)  # captured again after it
@@ -155,8 +154,9 @@ def test_the_compile_worker_answers_a_job_that_fails_with_its_error_and_takes_th
     delivered = []
     with pytest.warns(UserWarning) as seen:
         for label in ("first", "second"):
-            worker.submit({"pieces": {"submod_0": (b"not a pickle", [])}, "hints": {}}, frozenset(),
-                          delivered.append, plan, label)
+            worker.submit(
+                {"pieces": {"submod_0": (b"not a pickle", [])}, "hints": {}}, frozenset(), delivered.append, plan, label
+            )
         deadline = time.time() + 120
         while len([w for w in seen if "compiling behind failed" in str(w.message)]) < 2 and time.time() < deadline:
             time.sleep(0.05)

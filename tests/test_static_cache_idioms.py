@@ -77,9 +77,11 @@ class StaticCacheStep(torch.nn.Module):
         return o.transpose(1, 2).reshape(b, 1, HEADS * DIM)
 
 
-CASES = [(write, "repeat_kv", "causal") for write in ("index_copy_", "index_put_", "scatter_", "setitem")] + \
-    [("index_copy_", gqa, "causal") for gqa in ("none", "repeat_interleave", "enable_gqa")] + \
-    [("index_copy_", "repeat_kv", mask) for mask in ("sliding", "padding")]
+CASES = (
+    [(write, "repeat_kv", "causal") for write in ("index_copy_", "index_put_", "scatter_", "setitem")]
+    + [("index_copy_", gqa, "causal") for gqa in ("none", "repeat_interleave", "enable_gqa")]
+    + [("index_copy_", "repeat_kv", mask) for mask in ("sliding", "padding")]
+)
 
 
 @pytest.mark.parametrize("write,gqa,mask", CASES)
@@ -97,8 +99,13 @@ def test_static_cache_decode_step_is_one_graph_and_matches_eager(write, gqa, mas
     with torch.no_grad():
         for step in range(2, 8):
             x, pos = torch.randn(2, 1, HEADS * DIM), torch.tensor([step])
-            torch.testing.assert_close(compiled(x, *mine, pos, padding), model(x, *theirs, pos, padding),
-                                       atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(
+                compiled(x, *mine, pos, padding),
+                model(x, *theirs, pos, padding),
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m: f"step {step}: {m}",
+            )
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     graph = busiest_graph(start)
@@ -127,9 +134,9 @@ class CallerCacheStep(torch.nn.Module):
             mask = torch.arange(LENGTH, device=x.device) <= pos.view(-1, 1)
             o = F.scaled_dot_product_attention(q, k_cache[:b], v_cache[:b], attn_mask=mask)
         else:
-            k_cache[:b, :, pos:pos + 1] = k
-            v_cache[:b, :, pos:pos + 1] = v
-            o = F.scaled_dot_product_attention(q, k_cache[:b, :, :pos + 1], v_cache[:b, :, :pos + 1])
+            k_cache[:b, :, pos : pos + 1] = k
+            v_cache[:b, :, pos : pos + 1] = v
+            o = F.scaled_dot_product_attention(q, k_cache[:b, :, : pos + 1], v_cache[:b, :, : pos + 1])
         return o.transpose(1, 2).reshape(b, 1, HEADS * DIM)
 
 
@@ -148,8 +155,9 @@ def test_caches_the_caller_passes_are_written_in_the_graph_through_their_first_r
             x = torch.randn(batch, 1, HEADS * DIM, device=device)
             torch._dynamo.maybe_mark_dynamic(x, 0)
             pos = torch.tensor([step], device=device) if write == "index_copy_" else step
-            torch.testing.assert_close(compiled(x, *mine, pos), model(x, *theirs, pos), atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"step {step}: {m}")
+            torch.testing.assert_close(
+                compiled(x, *mine, pos), model(x, *theirs, pos), atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}"
+            )
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # written in place, only the callers' rows
     graph = busiest_graph(start)

@@ -48,8 +48,9 @@ def _fail_capture_at(key: tuple, nth: int) -> None:
     piece_capture._record_graph = failing_record
 
 
-def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None,
-          sizes=None) -> None:
+def _rank(
+    rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, fail_at=None, move_at=None, sizes=None
+) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
         from piecewise_backend import emulated_graphs
@@ -59,12 +60,19 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
             _fail_capture_at(*fail_at[1:])
         with emulated_graphs(emulate):
             moved = move_at[1] if move_at is not None and move_at[0] == rank else None
-            result = decode_check(rank, WORLD, "cpu", options=options_by_rank[rank], move_weight_before=moved,
-                                  **({"sizes": sizes} if sizes else {}))
+            result = decode_check(
+                rank,
+                WORLD,
+                "cpu",
+                options=options_by_rank[rank],
+                move_weight_before=moved,
+                **({"sizes": sizes} if sizes else {}),
+            )
         import piecewise_backend
 
-        result["failures"] = [f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values()
-                              for f in p.failures]
+        result["failures"] = [
+            f for g in piecewise_backend.compiled_graphs() for p in g.stats.pieces.values() for f in p.failures
+        ]
         (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
         # Neither rank tears gloo down while the other may still be finishing a collective: once, in
         # the whole CPU suite, rank 0 died of SIGABRT ("terminate called without an active
@@ -75,14 +83,16 @@ def _rank(rank: int, port: int, out_dir, options_by_rank: list, emulate: bool, f
     (out_dir / f"rank{rank}.exited").write_text("destroy_process_group returned")
 
 
-def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600,
-                   move_at=None, sizes=None) -> list[dict]:
+def _run_two_ranks(
+    out_dir, options: list, emulate: bool, fail_at=None, timeout_s: float = 600, move_at=None, sizes=None
+) -> list[dict]:
     """Both ranks' results; fails (instead of hanging) if the ranks do not finish in ``timeout_s``,
     which is what unpaired collectives do."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    context = mp.spawn(_rank, args=(_free_port(), out_dir, options, emulate, fail_at, move_at, sizes),
-                       nprocs=WORLD, join=False)
+    context = mp.spawn(
+        _rank, args=(_free_port(), out_dir, options, emulate, fail_at, move_at, sizes), nprocs=WORLD, join=False
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while not context.join(timeout=5):
@@ -92,8 +102,9 @@ def _run_two_ranks(out_dir, options: list, emulate: bool, fail_at=None, timeout_
                 pytest.fail(f"the two ranks did not finish in {timeout_s} s (collectives out of step?)")
     except mp.ProcessExitedException as exc:  # say how far each rank got: computing, or tearing down
         reached = {r: [p.suffix for p in sorted(out_dir.glob(f"rank{r}.*"))] for r in range(WORLD)}
-        raise AssertionError(f"{exc}; files each rank wrote (.json: results, .exited: after "
-                             f"destroy_process_group): {reached}") from exc
+        raise AssertionError(
+            f"{exc}; files each rank wrote (.json: results, .exited: after destroy_process_group): {reached}"
+        ) from exc
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -139,8 +150,7 @@ def test_a_capture_that_fails_on_one_rank_is_given_up_on_both_and_retried_on_bot
     # defer_captures would let size 3 ride the graph of 8 for 64 calls first).
     options = [{"capture_sizes": [2, 4, 8], "defer_captures": False}] * WORLD
     sizes = (3, 3, 2, 5, 8, 7, 4) + (3,) * 8
-    first, second = _run_two_ranks(tmp_path, options, emulate=True, fail_at=(1, (4,), 4), timeout_s=300,
-                                   sizes=sizes)
+    first, second = _run_two_ranks(tmp_path, options, emulate=True, fail_at=(1, (4,), 4), timeout_s=300, sizes=sizes)
     for result in (first, second):
         assert result["max_abs_diff"] < 1e-4 and result["replays"] > 0, result
     assert any("injected capture failure" in f for f in second["failures"]), second["failures"]
@@ -176,12 +186,33 @@ def test_a_hugging_face_model_under_its_own_tp_plan_gives_the_whole_models_token
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it for tp_plan
     out = tmp_path / "tp.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               str(ROOT / "benchmarks" / "hf_tensor_parallel.py"), "--out", str(out), "--model", "tiny",
-               "--dtype", "float32", "--batches", "3", "--tokens", "6", "--variants", "eager", "piecewise-static",
-               "--emulate"]
-    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        "-m",
+        "benchmarks.hf_tensor_parallel",
+        "--out",
+        str(out),
+        "--model",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--batches",
+        "3",
+        "--tokens",
+        "6",
+        "--variants",
+        "eager",
+        "piecewise-static",
+        "--emulate",
+    ]
+    run = subprocess.run(
+        command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     rows = {row["variant"]: row for row in json.loads(out.read_text())["hf"]}
     assert set(rows) == {"eager", "piecewise-static"}, rows
@@ -201,21 +232,37 @@ def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
         pytest.skip("needs 2 GPUs")
     from toys.parallel import MULTICAST_OFF
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-               "-m", "toys.parallel"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(WORLD),
+        "-m",
+        "toys.parallel",
+    ]
     # its own process group, so a hang (ranks out of step, or a rank that never exits) can be
     # killed whole: torchrun's workers would otherwise keep the GPUs
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           start_new_session=True, env={**os.environ, **MULTICAST_OFF},
-                           cwd=ROOT)  # toys/ importable
+    run = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env={**os.environ, **MULTICAST_OFF},
+        cwd=ROOT,
+    )  # toys/ importable
     try:
         stdout, stderr = run.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         os.killpg(run.pid, 9)
         stdout, stderr = run.communicate()
-        pytest.fail("the two ranks did not finish in 300 s (collectives out of step, or a rank that could "
-                    f"not exit: graphs holding NCCL collectives still alive at destroy_process_group?)\n"
-                    f"{stdout[-2000:]}\n{stderr[-2000:]}")
+        pytest.fail(
+            "the two ranks did not finish in 300 s (collectives out of step, or a rank that could "
+            f"not exit: graphs holding NCCL collectives still alive at destroy_process_group?)\n"
+            f"{stdout[-2000:]}\n{stderr[-2000:]}"
+        )
     assert run.returncode == 0, stderr[-4000:]
     results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in results) == list(range(WORLD)), stdout

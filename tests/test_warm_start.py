@@ -34,7 +34,7 @@ MODEL = textwrap.dedent('''
             return self.outer(a + h)
 ''')
 
-LOADER = textwrap.dedent('''
+LOADER = textwrap.dedent("""
     import json, sys, warnings
     import torch
     sys.path.insert(0, sys.argv[1])
@@ -57,7 +57,7 @@ LOADER = textwrap.dedent('''
     print(json.dumps({"outputs": outputs, "frames": sum(counters["frames"].values()),
                       "loaded": [g.stats.loaded for g in graphs], "replays": sum(g.stats.replays for g in graphs),
                       "warnings": [str(w.message) for w in caught if "piecewise" in str(w.message)]}))
-''')
+""")
 
 
 @pytest.fixture
@@ -85,19 +85,26 @@ def _save(model_dir, compiler: str, device="cpu"):
         fn = piecewise_backend.save(model.forward, (example,), path, options={"compiler": compiler})
         outputs = [fn(torch.full((n, 16), 0.1 * n, device=device)).tolist() for n in (4, 3, 7, 4)]
         for got, n in zip(outputs, (4, 3, 7, 4)):
-            torch.testing.assert_close(torch.tensor(got, device=device), model(torch.full((n, 16), 0.1 * n, device=device)))
+            torch.testing.assert_close(
+                torch.tensor(got, device=device), model(torch.full((n, 16), 0.1 * n, device=device))
+            )
     return model, path, outputs
 
 
 def _load_in_a_new_process(model_dir, path, device="cpu") -> dict:
-    done = subprocess.run([sys.executable, str(model_dir / "loader.py"), str(model_dir), path, device],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(model_dir / "loader.py"), str(model_dir), path, device],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("compiler,device", [("inductor", "cpu"), ("eager", "cpu"),
-                                             pytest.param("inductor", "cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize(
+    "compiler,device", [("inductor", "cpu"), ("eager", "cpu"), pytest.param("inductor", "cuda", marks=pytest.mark.cuda)]
+)
 def test_a_saved_graph_loaded_in_a_second_process_gives_the_first_process_outputs(model_dir, compiler, device):
     _, path, outputs = _save(model_dir, compiler, device)
     loaded = _load_in_a_new_process(model_dir, path, device)
@@ -146,6 +153,10 @@ def test_a_call_in_another_dtype_is_not_run_on_the_artifact_but_compiled_and_rig
 
 def test_saving_a_forward_of_torchs_own_module_class_is_refused_naming_the_fix(tmp_path):
     with torch.inference_mode(), pytest.raises(RuntimeError, match="wrap the model in a module class of your own"):
-        piecewise_backend.save(torch.nn.Linear(8, 8).forward, (torch.randn(2, 8),), str(tmp_path / "linear.bin"),
-                               options={"compiler": "eager"})
+        piecewise_backend.save(
+            torch.nn.Linear(8, 8).forward,
+            (torch.randn(2, 8),),
+            str(tmp_path / "linear.bin"),
+            options={"compiler": "eager"},
+        )
     assert not (tmp_path / "linear.bin").exists()

@@ -38,7 +38,7 @@ import dataclasses
 import gc
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,20 @@ from torch import nn
 import piecewise_backend
 from piecewise_backend.ops import paged_cache_write, paged_decode_attention
 
-__all__ = ["EngineConfig", "TINY", "QWEN2_5_1_5B", "EngineModel", "Engine", "Request", "seeded_trace",
-           "ATTENTION", "TAGGED_ATTENTION", "forward_context", "DecodeMetadata", "GRAPH_MODES"]
+__all__ = [
+    "EngineConfig",
+    "TINY",
+    "QWEN2_5_1_5B",
+    "EngineModel",
+    "Engine",
+    "Request",
+    "seeded_trace",
+    "ATTENTION",
+    "TAGGED_ATTENTION",
+    "forward_context",
+    "DecodeMetadata",
+    "GRAPH_MODES",
+]
 
 ATTENTION = "engine::attention"  # must be named in extra_splitting_ops
 GRAPH_MODES = ("full_and_piecewise", "piecewise")  # Engine(graph_mode=...): vLLM's names
@@ -76,11 +88,13 @@ class EngineConfig:
 
 TINY = EngineConfig()
 # Qwen2.5-1.5B's dimensions (random weights): 28 layers, hidden 1536, 12 query heads, 2 KV heads
-QWEN2_5_1_5B = EngineConfig(vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960,
-                            rope_theta=1e6, max_position=4096)
+QWEN2_5_1_5B = EngineConfig(
+    vocab=151936, hidden=1536, layers=28, heads=12, kv_heads=2, intermediate=8960, rope_theta=1e6, max_position=4096
+)
 
 
 # -- the forward context: per-step metadata the attention op reads ---------------------------------
+
 
 @dataclasses.dataclass
 class StepMetadata:
@@ -159,11 +173,14 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     if isinstance(meta, DecodeMetadata):
         return _decode_attention(q, k, v, out, layer, meta)
     if _capturing(q):
-        raise RuntimeError(f"{ATTENTION} reads per-step metadata from the engine's forward context and "
-                           f"must not be captured in a CUDA graph")
+        raise RuntimeError(
+            f"{ATTENTION} reads per-step metadata from the engine's forward context and "
+            f"must not be captured in a CUDA graph"
+        )
     if meta is None or meta.num_tokens != q.shape[0]:
-        raise RuntimeError(f"{ATTENTION}: called with {q.shape[0]} tokens outside a forward context for "
-                           f"them (Engine.step sets it)")
+        raise RuntimeError(
+            f"{ATTENTION}: called with {q.shape[0]} tokens outside a forward context for them (Engine.step sets it)"
+        )
     k_cache, v_cache = meta.kv_caches[layer]
     kv_heads, head_dim = k_cache.shape[-2:]
     k_flat, v_flat = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
@@ -178,11 +195,11 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
         keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
     q_start = k_start = 0
     for q_len, k_len in zip(meta.query_lens, meta.seq_lens):
-        qi = q[q_start:q_start + q_len].transpose(0, 1)
-        ki, vi = keys[k_start:k_start + k_len].transpose(0, 1), values[k_start:k_start + k_len].transpose(0, 1)
+        qi = q[q_start : q_start + q_len].transpose(0, 1)
+        ki, vi = keys[k_start : k_start + k_len].transpose(0, 1), values[k_start : k_start + k_len].transpose(0, 1)
         # bottom-right causal: query i sees the keys up to its own position (k_len - q_len + i)
         mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(k_len - q_len)
-        out[q_start:q_start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask).transpose(0, 1)
+        out[q_start : q_start + q_len] = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask).transpose(0, 1)
         q_start, k_start = q_start + q_len, k_start + k_len
 
 
@@ -191,8 +208,10 @@ def _decode_attention(q, k, v, out, layer: int, meta: DecodeMetadata) -> None:
     as many rows as ``q`` has (a padded batch has more than the step)."""
     rows = q.shape[0]
     if rows > meta.capacity:
-        raise RuntimeError(f"{ATTENTION}: a decode batch of {rows} rows, but the engine's decode buffers hold "
-                           f"{meta.capacity}: raise max_num_tokens, or capture sizes up to it")
+        raise RuntimeError(
+            f"{ATTENTION}: a decode batch of {rows} rows, but the engine's decode buffers hold "
+            f"{meta.capacity}: raise max_num_tokens, or capture sizes up to it"
+        )
     k_cache, v_cache = meta.kv_caches[layer]
     paged_cache_write(k, v, k_cache, v_cache, meta.slot_mapping[:rows])
     paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:rows], meta.seq_lens[:rows], out=out)
@@ -234,6 +253,7 @@ _OPS = {name: _op(name) for name in (ATTENTION, TAGGED_ATTENTION)}
 
 
 # -- the model -------------------------------------------------------------------------------------
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float):
@@ -304,7 +324,7 @@ class EngineModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden @ self.embed.weight.t()  # tied embeddings, as Qwen2.5-1.5B
 
-    def init_weights_(self, seed: int = 0) -> "EngineModel":
+    def init_weights_(self, seed: int = 0) -> EngineModel:
         """Random weights scaled so that activations stay O(1) through every layer, drawn where the
         model is (1.5B numbers drawn on the host took longer than compiling)."""
         device = self.embed.weight.device
@@ -319,6 +339,7 @@ class EngineModel(nn.Module):
 
 
 # -- the engine ------------------------------------------------------------------------------------
+
 
 class _DecodeBuffers:
     """The persistent device buffers of decode-only steps (:class:`DecodeMetadata`), and their writing.
@@ -346,8 +367,10 @@ class _DecodeBuffers:
         real = len(ids)
         reach = max(size, self._written)
         pad = reach - real
-        host = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad,
-                             [p + 1 for p in positions] + [0] * pad], dtype=torch.int64)
+        host = torch.tensor(
+            [ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad, [p + 1 for p in positions] + [0] * pad],
+            dtype=torch.int64,
+        )
         self.step[:, :reach].copy_(host, non_blocking=True)
         self._written = size
         pages = [r.blocks for r in requests]
@@ -360,7 +383,7 @@ class _DecodeBuffers:
         reach = max(len(pages), self._tables_written)
         host = torch.zeros(reach, width, dtype=torch.int32)
         for row, blocks in enumerate(pages):
-            host[row, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            host[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.tables[:reach].copy_(host, non_blocking=True)
         self._pages, self._tables_written = pages, len(pages)
 
@@ -412,9 +435,19 @@ class Engine:
             metadata path, piecewise.
     """
 
-    def __init__(self, model: EngineModel, forward: Callable | None = None, *, max_num_tokens: int = 64,
-                 max_num_seqs: int = 8, num_blocks: int = 64, device="cpu", dtype=torch.float32,
-                 mark_dynamic: bool | str = True, graph_mode: str = "full_and_piecewise"):
+    def __init__(
+        self,
+        model: EngineModel,
+        forward: Callable | None = None,
+        *,
+        max_num_tokens: int = 64,
+        max_num_seqs: int = 8,
+        num_blocks: int = 64,
+        device="cpu",
+        dtype=torch.float32,
+        mark_dynamic: bool | str = True,
+        graph_mode: str = "full_and_piecewise",
+    ):
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"Engine: graph_mode={graph_mode!r}; use one of {GRAPH_MODES}")
         cfg = model.cfg
@@ -423,22 +456,29 @@ class Engine:
         self.max_num_tokens, self.max_num_seqs, self.mark_dynamic = max_num_tokens, max_num_seqs, mark_dynamic
         self.graph_mode = graph_mode
         shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
-        self.kv_caches = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                          for _ in range(cfg.layers)]
+        self.kv_caches = [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(cfg.layers)
+        ]
         self.free_blocks = collections.deque(range(num_blocks))
         self.waiting: collections.deque = collections.deque()
         self.running: list[Request] = []
         self.finished: list[Request] = []
         self.steps: list[StepRecord] = []
         self._start = time.perf_counter()
-        self._decode = _DecodeBuffers(self.kv_caches, max_num_tokens, -(-cfg.max_position // cfg.block_size),
-                                      self.device) if graph_mode == "full_and_piecewise" else None
+        self._decode = (
+            _DecodeBuffers(self.kv_caches, max_num_tokens, -(-cfg.max_position // cfg.block_size), self.device)
+            if graph_mode == "full_and_piecewise"
+            else None
+        )
 
     def add(self, request: Request) -> None:
         needed = -(-(len(request.prompt) + request.max_new_tokens) // self.cfg.block_size)
         if needed > len(self.free_blocks) + sum(len(r.blocks) for r in self.running):
-            raise ValueError(f"request {request.id} needs {needed} KV blocks; the engine has "
-                             f"{len(self.free_blocks)} free: raise num_blocks")
+            raise ValueError(
+                f"request {request.id} needs {needed} KV blocks; the engine has "
+                f"{len(self.free_blocks)} free: raise num_blocks"
+            )
         self.waiting.append(request)
 
     def warm_up(self, freeze_gc: bool = False, decode_sizes=()) -> None:
@@ -465,12 +505,14 @@ class Engine:
         at the token budget, its size dynamic, and one of a single token (Dynamo specialises a size
         of 1; with ``mark_dynamic="unbacked"``, the first alone). Serve on what was saved from them with
         ``mark_dynamic=False``."""
+
         def call(n: int, dynamic: bool):
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             positions = torch.arange(n, device=self.device)
             if dynamic:
                 self._mark(ids, positions)
             return (ids, positions)
+
         first = call(self.max_num_tokens, True)
         return [first] if self.mark_dynamic == "unbacked" else [first, call(1, False)]
 
@@ -528,13 +570,17 @@ class Engine:
         ids, q_lens, k_lens, starts = [], [], [], []
         for request, n in chosen:
             start, prompt = request.computed, len(request.prompt)
-            ids += request.prompt[start:start + n] if start < prompt else request.output[start - prompt:start - prompt + n]
+            ids += (
+                request.prompt[start : start + n]
+                if start < prompt
+                else request.output[start - prompt : start - prompt + n]
+            )
             q_lens.append(n)
             k_lens.append(start + n)
             starts.append(start)
         tables = torch.zeros(len(chosen), max(len(r.blocks) for r, _ in chosen), dtype=torch.int64)
         for i, (request, _) in enumerate(chosen):
-            tables[i, :len(request.blocks)] = torch.tensor(request.blocks)
+            tables[i, : len(request.blocks)] = torch.tensor(request.blocks)
         q_counts, k_counts = torch.tensor(q_lens), torch.tensor(k_lens)
         q_start = torch.cat((torch.zeros(1, dtype=torch.int64), q_counts.cumsum(0)))
         k_start = torch.cat((torch.zeros(1, dtype=torch.int64), k_counts.cumsum(0)))
@@ -544,8 +590,11 @@ class Engine:
             return tables[seq, pos // block] * block + pos % block
 
         seq_q = rows.repeat_interleave(q_counts)
-        positions = torch.arange(int(q_start[-1])) - q_start[:-1].repeat_interleave(q_counts) + \
-            torch.tensor(starts).repeat_interleave(q_counts)
+        positions = (
+            torch.arange(int(q_start[-1]))
+            - q_start[:-1].repeat_interleave(q_counts)
+            + torch.tensor(starts).repeat_interleave(q_counts)
+        )
         seq_k = rows.repeat_interleave(k_counts)
         key_positions = torch.arange(int(k_start[-1])) - k_start[:-1].repeat_interleave(k_counts)
         device = self.device
@@ -553,8 +602,15 @@ class Engine:
         def sent(t, dtype=torch.int64):
             return t.to(dtype).to(device, non_blocking=True)
 
-        meta = StepMetadata(self.kv_caches, sent(slots_of(seq_q, positions)), sent(q_start, torch.int32),
-                            sent(k_start, torch.int32), sent(slots_of(seq_k, key_positions)), q_lens, k_lens)
+        meta = StepMetadata(
+            self.kv_caches,
+            sent(slots_of(seq_q, positions)),
+            sent(q_start, torch.int32),
+            sent(k_start, torch.int32),
+            sent(slots_of(seq_k, key_positions)),
+            q_lens,
+            k_lens,
+        )
         return sent(torch.tensor(ids)), sent(positions), meta
 
     def _decode_inputs(self, chosen: list[tuple[Request, int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -613,8 +669,15 @@ class Engine:
             self.free_blocks.extend(request.blocks)
             request.blocks = []
             self.finished.append(request)
-        self.steps.append(StepRecord(start, now - start, int(ids.shape[0]), sum(1 for _, n in chosen if n == 1),
-                                     sum(n for _, n in chosen if n > 1)))
+        self.steps.append(
+            StepRecord(
+                start,
+                now - start,
+                int(ids.shape[0]),
+                sum(1 for _, n in chosen if n == 1),
+                sum(n for _, n in chosen if n > 1),
+            )
+        )
 
 
 def seeded_trace(n: int, seed: int = 0, vocab: int = 256, prompt=(4, 40), output=(2, 12), rate: float = 0.0):

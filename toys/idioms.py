@@ -28,20 +28,21 @@ class _WholeCacheAttention(nn.Module):
     def set_batch(self, batch: int) -> None:
         shape = (batch, self.cfg.heads, self.cfg.max_seq, self.cfg.head_dim)
         device = self.qkv.weight.device
-        self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=self.qkv.weight.dtype),
-                             persistent=False)
+        self.register_buffer(
+            "k_cache", torch.zeros(shape, device=device, dtype=self.qkv.weight.dtype), persistent=False
+        )
         self.register_buffer("v_cache", torch.zeros_like(self.k_cache), persistent=False)
 
     def forward(self, x: torch.Tensor, t: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, S, H = x.shape
         q, k, v = (p.view(B, S, self.cfg.heads, -1).transpose(1, 2) for p in self.qkv(x).chunk(3, dim=-1))
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        self.k_cache[:, :, t:t + S].copy_(k)
-        self.v_cache[:, :, t:t + S].copy_(v)
+        self.k_cache[:, :, t : t + S].copy_(k)
+        self.v_cache[:, :, t : t + S].copy_(v)
         if S > 1:  # the prompt, from position 0
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            o = F.scaled_dot_product_attention(q, self.k_cache[:, :, :t + 1], self.v_cache[:, :, :t + 1])
+            o = F.scaled_dot_product_attention(q, self.k_cache[:, :, : t + 1], self.v_cache[:, :, : t + 1])
         return self.out(o.transpose(1, 2).reshape(B, S, H))
 
 

@@ -276,8 +276,10 @@ class ToyGPT(nn.Module):
     def new_caches(self, device=None, dtype=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         c = self.cfg
         shape = (c.max_batch, c.heads, c.max_seq, c.head_dim)
-        return [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                for _ in range(c.layers)]
+        return [
+            (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+            for _ in range(c.layers)
+        ]
 
     def forward(self, input_ids, caches, pos: int):
         S = input_ids.shape[1]

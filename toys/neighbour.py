@@ -40,7 +40,7 @@ class Neighbour(threading.Thread):
                     self.errors[text] = self.errors.get(text, 0) + 1
                 self.iterations += 1
 
-    def finish(self) -> "Neighbour":
+    def finish(self) -> Neighbour:
         self.stop.set()
         self.join()
         return self

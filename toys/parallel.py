@@ -20,8 +20,16 @@ import os
 import torch
 from torch import nn
 
-from .models import BENCHMARK_SIZES, LlamaAttention, LlamaLayer, LlamaMLP, ToyConfig, ToyLlama, init_weights_, \
-    reset_caches, sdpa_backends
+from .models import (
+    LlamaAttention,
+    LlamaLayer,
+    LlamaMLP,
+    ToyConfig,
+    ToyLlama,
+    init_weights_,
+    reset_caches,
+    sdpa_backends,
+)
 
 
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
@@ -53,16 +61,22 @@ class ToyTPLlama(ToyLlama):
 
     def __init__(self, cfg: ToyConfig, world: int, group):
         if cfg.heads % world or cfg.intermediate % world:
-            raise ValueError(f"heads ({cfg.heads}) and intermediate ({cfg.intermediate}) must divide by the "
-                             f"number of ranks ({world})")
+            raise ValueError(
+                f"heads ({cfg.heads}) and intermediate ({cfg.intermediate}) must divide by the "
+                f"number of ranks ({world})"
+            )
         super().__init__(cfg)
         self.layers = nn.ModuleList(
-            LlamaLayer(cfg, attn_cls=functools.partial(_RowParallelAttention, world=world, group=group),
-                       mlp_cls=functools.partial(_RowParallelMLP, world=world, group=group))
-            for _ in range(cfg.layers))
+            LlamaLayer(
+                cfg,
+                attn_cls=functools.partial(_RowParallelAttention, world=world, group=group),
+                mlp_cls=functools.partial(_RowParallelMLP, world=world, group=group),
+            )
+            for _ in range(cfg.layers)
+        )
 
     @classmethod
-    def shard(cls, full: ToyLlama, rank: int, world: int, group) -> "ToyTPLlama":
+    def shard(cls, full: ToyLlama, rank: int, world: int, group) -> ToyTPLlama:
         """This rank's share of ``full``'s weights."""
         cfg = full.cfg
         part = cls(cfg, world, group)
@@ -93,8 +107,15 @@ def toy_and_shard(cfg: ToyConfig, rank: int, world: int, device: str, dtype: tor
     return full, ToyTPLlama.shard(full, rank, world, dist.group.WORLD).to(device=device, dtype=dtype).eval()
 
 
-def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4), options: dict | None = None,
-                 cfg: ToyConfig | None = None, move_weight_before: int | None = None) -> dict:
+def decode_check(
+    rank: int,
+    world: int,
+    device: str,
+    sizes=(3, 3, 2, 5, 8, 7, 4),
+    options: dict | None = None,
+    cfg: ToyConfig | None = None,
+    move_weight_before: int | None = None,
+) -> dict:
     """Compile this rank's shard with the piecewise backend, decode at changing batch sizes next to
     the whole model run eagerly, and report the largest logit difference and the capture decisions.
 
@@ -126,11 +147,18 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
             pos += 1
     graphs = [g for g in piecewise_backend.compiled_graphs() if g.pad_position is not None]
     main = max(graphs, key=lambda g: g.stats.calls)
-    return {"rank": rank, "max_abs_diff": worst, "captured": sorted(main.captured),
-            "misses": dict(main.stats.misses), "miss_details": dict(main.stats.miss_details),
-            "replays": main.stats.replays, "captures": sum(p.captures for p in main.stats.pieces.values()),
-            "weight_sets": main.stats.weight_sets, "agreement": main.policy.agreement is not None,
-            "capture_events": [[list(e.key), e.call, e.pieces] for e in main.stats.events]}
+    return {
+        "rank": rank,
+        "max_abs_diff": worst,
+        "captured": sorted(main.captured),
+        "misses": dict(main.stats.misses),
+        "miss_details": dict(main.stats.miss_details),
+        "replays": main.stats.replays,
+        "captures": sum(p.captures for p in main.stats.pieces.values()),
+        "weight_sets": main.stats.weight_sets,
+        "agreement": main.policy.agreement is not None,
+        "capture_events": [[list(e.key), e.call, e.pieces] for e in main.stats.events],
+    }
 
 
 # NVLink multicast stays off: on shared multi-GPU hosts a program using it can take the host's GPUs
@@ -138,39 +166,15 @@ def decode_check(rank: int, world: int, device: str, sizes=(3, 3, 2, 5, 8, 7, 4)
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def time_check(rank: int, world: int, device: str, batch: int = 8, prompt: int = 256, steps: int = 64,
-               model: dict = BENCHMARK_SIZES["16L"]) -> dict:
-    """Decode step time of this rank's bf16 shard of the benchmarks' 16-layer toy (hidden 1024), run
-    eagerly and compiled with the piecewise backend, side by side (``timing.time_decode``: median
-    over the second half of ``steps``, KV growing from ``prompt``).
-
-    Why: on several GPUs every layer adds two all-reduces to the launches a step makes, so the
-    host-bound decode step gains at least as much from graphs as on one GPU; this measures it.
-    """
-    from benchmarks.timing import time_decode  # run from the checkout's root, as torchrun -m does
-
-    cfg = ToyConfig(**model, max_batch=batch, max_seq=prompt + steps + 1)
-    _, shard = toy_and_shard(cfg, rank, world, device, torch.bfloat16)
-    compiled = torch.compile(shard, backend="piecewise")
-    row = {"rank": rank, "world": world, "batch": batch, "layers": cfg.layers, "hidden": cfg.hidden}
-    with torch.no_grad(), sdpa_backends(device):
-        for name, step in (("eager", shard), ("piecewise", compiled)):
-            torch.manual_seed(1)  # the same prompt on every rank (the ranks' logits are the same)
-            ms, first_call = time_decode(step, shard, batch, prompt, steps, device)
-            row[f"{name}_step_ms"], row[f"{name}_first_call_s"] = round(ms, 4), round(first_call, 2)
-    return row
-
-
 def main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m toys.parallel [--time]``: one JSON line per
-    rank and check (``--time`` adds :func:`time_check`'s at batch 1 and 8)."""
+    """``torchrun --nproc-per-node N -m toys.parallel``: one JSON line per rank (the decode check;
+    ``python -m benchmarks.toy_tensor_parallel`` times the shard)."""
     import argparse
 
     import torch.distributed as dist
 
     parser = argparse.ArgumentParser(prog="python -m toys.parallel")
-    parser.add_argument("--time", action="store_true", help="also time the 16-layer shard, eager vs piecewise")
-    args = parser.parse_args(argv)
+    parser.parse_args(argv)
     for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -180,9 +184,6 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
         print(json.dumps(decode_check(rank, world, device)), flush=True)
-        if args.time:
-            for batch in (1, 8):
-                print(json.dumps(time_check(rank, world, device, batch=batch)), flush=True)
     finally:
         # NCCL's destroy waits for every graph that captured its collectives to be destroyed
         import piecewise_backend

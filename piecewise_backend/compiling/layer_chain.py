@@ -18,7 +18,7 @@ layers: about a quarter; 4 layers: no cut). Should cutting fail, the piece is co
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -71,9 +71,11 @@ def _lift_input_symbols(graph: torch.fx.Graph) -> list[SymbolReader]:
         value = facts.example_value(node)
         if not isinstance(value, torch.Tensor):
             continue
-        for what, dim, symbol in [*(("size", d, s) for d, s in enumerate(value.shape)),
-                                  *(("stride", d, s) for d, s in enumerate(value.stride())),
-                                  ("storage_offset", None, value.storage_offset())]:
+        for what, dim, symbol in [
+            *(("size", d, s) for d, s in enumerate(value.shape)),
+            *(("stride", d, s) for d, s in enumerate(value.stride())),
+            ("storage_offset", None, value.storage_offset()),
+        ]:
             if not isinstance(symbol, torch.SymInt) or not sym(symbol).is_Symbol or sym(symbol) in bound:
                 continue
             with graph.inserting_after(last):
@@ -96,8 +98,9 @@ def _pays(chain: torch.fx.GraphModule, compute: set[str], code_key: Callable) ->
     return sum(distinct.values()) <= MAX_DISTINCT_SHARE * sum(ops.values())
 
 
-def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], code_key: Callable
-                       ) -> tuple[torch.fx.GraphModule, set[str], list[SymbolReader]] | None:
+def split_at_attention(
+    gm: torch.fx.GraphModule, attention_ops: frozenset[str], code_key: Callable
+) -> tuple[torch.fx.GraphModule, set[str], list[SymbolReader]] | None:
     """``gm`` (left as it is) cut before and after each attention call: the chain, the names of its
     compute sub-pieces, and the symbols it takes after ``gm``'s inputs (:func:`read_symbols`). None
     when cutting does not pay (``code_key``: a sub-piece's code, up to names and input metadata) or
@@ -120,8 +123,11 @@ def split_at_attention(gm: torch.fx.GraphModule, attention_ops: frozenset[str], 
     keep_containers_in_their_piece(gm.graph, kinds, part, {})  # an attention returning a tuple keeps it
     chain = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     attention_parts = {part[n] for n in cuts}
-    compute = {str(n.target) for n in chain.graph.nodes if n.op == "call_module"
-               and _torch_internals.split_partition(n) not in attention_parts}
+    compute = {
+        str(n.target)
+        for n in chain.graph.nodes
+        if n.op == "call_module" and _torch_internals.split_partition(n) not in attention_parts
+    }
     return (chain, compute, readers) if _pays(chain, compute, code_key) else None
 
 

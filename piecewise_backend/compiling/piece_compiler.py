@@ -23,14 +23,15 @@ import dataclasses
 import hashlib
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
 
 from .. import _torch_internals
 from ..fx.graph_facts import value_symbols
-from ..split.splitting import drop_unused_scalar_inputs
+from ..split.graph_cleanup import drop_unused_scalar_inputs
 from . import layer_chain
 
 log = logging.getLogger(__name__)
@@ -49,8 +50,10 @@ class CompiledPiece:
 
 def _describe_value(v) -> str:
     if isinstance(v, torch.Tensor):
-        return (f"T[{v.dtype},{v.device.type},{tuple(map(str, v.shape))},"
-                f"{tuple(map(str, v.stride()))},rg={v.requires_grad}]")
+        return (
+            f"T[{v.dtype},{v.device.type},{tuple(map(str, v.shape))},"
+            f"{tuple(map(str, v.stride()))},rg={v.requires_grad}]"
+        )
     if isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return f"S[{_torch_internals.sym_expr(v)}]"
     return f"C[{v!r}]"
@@ -93,8 +96,9 @@ def _sanitize_fake_arg(value, step_symbols: frozenset, fake_mode):
     """
     if isinstance(value, torch.Tensor) and value_symbols(value.storage_offset()) & step_symbols:
         with fake_mode:
-            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device,
-                                       requires_grad=value.requires_grad)
+            return torch.empty_strided(
+                value.shape, value.stride(), dtype=value.dtype, device=value.device, requires_grad=value.requires_grad
+            )
     return value
 
 
@@ -170,8 +174,9 @@ class _SharedCode:
 class PieceCompiler:
     """Compiles pieces, reusing the compiled code of structurally identical ones."""
 
-    def __init__(self, fake_mode, step_symbols: frozenset, attention_ops: frozenset = frozenset(),
-                 inductor: bool = True):
+    def __init__(
+        self, fake_mode, step_symbols: frozenset, attention_ops: frozenset = frozenset(), inductor: bool = True
+    ):
         self.fake_mode = fake_mode
         self.step_symbols = step_symbols
         self.inductor = inductor  # False: a piece runs its FX code as it is (``compiler="eager"``)
@@ -181,8 +186,9 @@ class PieceCompiler:
         self.inductor_compiles = 0
         self.inductor_seconds = 0.0
 
-    def compile(self, name: str, gm: torch.fx.GraphModule, fake_args: list, keep_eager: bool = True
-                ) -> tuple[CompiledPiece, Any]:
+    def compile(
+        self, name: str, gm: torch.fx.GraphModule, fake_args: list, keep_eager: bool = True
+    ) -> tuple[CompiledPiece, Any]:
         """The compiled piece and its fake output on ``fake_args`` (under the fake mode).
         ``keep_eager``: keep the piece's FX code to run should the compiled code raise (a sub-piece
         of a chain needs none: its chain's piece keeps its own)."""
@@ -193,8 +199,11 @@ class PieceCompiler:
         eager = _torch_internals.copy_graph_module(gm) if keep_eager else None
         shared = self._by_key.get(key)
         if shared is not None:
-            out = _fresh_like(shared.output) if shared.output is not None else \
-                run_on_fakes(gm, fake_args, self.fake_mode)[0]
+            out = (
+                _fresh_like(shared.output)
+                if shared.output is not None
+                else run_on_fakes(gm, fake_args, self.fake_mode)[0]
+            )
             return CompiledPiece(shared.fn, sanitized, key, shared.first, shared.code, shared.draws_random, eager), out
         chained = self._compile_chain(name, gm, sanitized) if self.attention_ops else None
         if chained is not None:
@@ -215,8 +224,9 @@ class PieceCompiler:
         self.inductor_compiles += 1
         return fn, code
 
-    def _compile_chain(self, name: str, gm: torch.fx.GraphModule, fake_args: list
-                       ) -> tuple[Callable, str | None, Any, bool] | None:
+    def _compile_chain(
+        self, name: str, gm: torch.fx.GraphModule, fake_args: list
+    ) -> tuple[Callable, str | None, Any, bool] | None:
         """Compile a piece cut at its attention calls: its sub-pieces (``name.submod_N``) share compiled
         code with each other as pieces do. Returns the chain as one callable, Inductor's code of each
         distinct sub-piece, the chain's fake output and whether any sub-piece draws random numbers;
@@ -231,8 +241,13 @@ class PieceCompiler:
             chain_args = fake_args + layer_chain.read_symbols(fake_args, readers)
             run = compile_pieces(chain, compute, chain_args, self, prefix=f"{name}.", keep_eager=False)
         except Exception as e:  # noqa: BLE001 - any failure: compile the piece whole instead
-            log.info("piecewise: piece %s compiled whole: compiling it layer by layer failed: %s: %s",
-                     name, type(e).__name__, e, exc_info=log.isEnabledFor(logging.DEBUG))
+            log.info(
+                "piecewise: piece %s compiled whole: compiling it layer by layer failed: %s: %s",
+                name,
+                type(e).__name__,
+                e,
+                exc_info=log.isEnabledFor(logging.DEBUG),
+            )
             return None
         codes = {p.shared_with: p.inductor_code for p in run.pieces.values() if p.inductor_code}
         code = "\n".join(f"# ---- {sub} ----\n{text}" for sub, text in codes.items()) or None
@@ -282,8 +297,14 @@ class _FakeRun(torch.fx.Interpreter):
         return out
 
 
-def compile_pieces(split_gm: torch.fx.GraphModule, compute_names: set[str], fake_inputs: list,
-                   compiler: PieceCompiler, prefix: str = "", keep_eager: bool = True) -> PiecesRun:
+def compile_pieces(
+    split_gm: torch.fx.GraphModule,
+    compute_names: set[str],
+    fake_inputs: list,
+    compiler: PieceCompiler,
+    prefix: str = "",
+    keep_eager: bool = True,
+) -> PiecesRun:
     """Compile every compute piece of ``split_gm`` (``prefix``: before the names the compiler sees;
     ``keep_eager``: as :meth:`PieceCompiler.compile`'s)."""
     with _torch_internals.fake_propagation(compiler.fake_mode):

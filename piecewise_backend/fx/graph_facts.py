@@ -16,7 +16,7 @@ Three questions, answered from the fake values Dynamo stores in ``node.meta["exa
 from __future__ import annotations
 
 import operator
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.fx
@@ -24,9 +24,19 @@ import torch.fx
 from .. import _torch_internals
 
 _INPLACE_OPERATORS = {
-    operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
-    operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift,
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.imod,
+    operator.ipow,
+    operator.iand,
+    operator.ior,
+    operator.ixor,
+    operator.ilshift,
+    operator.irshift,
 }
 
 # Ops that change global state that split_module tracks as regions; never reorder across them.
@@ -74,8 +84,12 @@ def python_scalar_inputs(graph: torch.fx.Graph) -> frozenset:
     out = set()
     for i, node in enumerate(placeholders(graph)):
         value = example_value(node)
-        if _torch_internals.is_python_scalar_input(node) and isinstance(value, torch.Tensor) and \
-                value.dim() == 0 and value.device.type == "cpu":
+        if (
+            _torch_internals.is_python_scalar_input(node)
+            and isinstance(value, torch.Tensor)
+            and value.dim() == 0
+            and value.device.type == "cpu"
+        ):
             out.add(i)
     return frozenset(out)
 
@@ -146,8 +160,11 @@ def _hidden_writes(node: torch.fx.Node) -> list[torch.fx.Node]:
     if form is None:
         return []
     training_at, written_at = form
-    training = node.args[training_at] if len(node.args) > training_at else node.kwargs.get(
-        "use_input_stats" if name == "instance_norm" else "training", name == "instance_norm")
+    training = (
+        node.args[training_at]
+        if len(node.args) > training_at
+        else node.kwargs.get("use_input_stats" if name == "instance_norm" else "training", name == "instance_norm")
+    )
     if training is False:
         return []
     return [node.args[i] for i in written_at if i < len(node.args) and isinstance(node.args[i], torch.fx.Node)]
@@ -174,8 +191,9 @@ def mutated_inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
         if _torch_internals.is_op_overload(target) or _torch_internals.is_op_packet(target):
             # Dynamo records ``torch.ops.ns.name(...)`` as the packet on torch 2.11 (the overload on
             # 2.13): an argument any overload writes is written
-            overloads = [getattr(target, o) for o in target.overloads()] \
-                if _torch_internals.is_op_packet(target) else [target]
+            overloads = (
+                [getattr(target, o) for o in target.overloads()] if _torch_internals.is_op_packet(target) else [target]
+            )
             written = {}
             for overload in overloads:
                 for i, arg in enumerate(_torch_internals.op_schema_arguments(overload)):
@@ -251,5 +269,10 @@ def grows_by_cat(node: torch.fx.Node, roots: dict) -> bool:
     from_input = any(isinstance(p, torch.fx.Node) and roots.get(p, p).op == "placeholder" for p in parts)
     value = example_value(node)
     dim = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else 0)
-    return from_input and isinstance(value, torch.Tensor) and isinstance(dim, int) and \
-        isinstance(value.shape[dim], torch.SymInt) and not _torch_internals.sym_expr(value.shape[dim]).is_number
+    return (
+        from_input
+        and isinstance(value, torch.Tensor)
+        and isinstance(dim, int)
+        and isinstance(value.shape[dim], torch.SymInt)
+        and not _torch_internals.sym_expr(value.shape[dim]).is_number
+    )

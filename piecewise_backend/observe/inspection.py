@@ -60,14 +60,23 @@ class SplitReport:
         for spec in graph.pieces:
             runner = graph.runners.get(spec.name)
             inputs, output = plan.report.signatures.get(spec.name, ((), ""))
-            self.pieces.append(PieceInfo(
-                index=spec.index, name=spec.name, kind=spec.kind, num_ops=spec.num_ops, split_ops=spec.split_ops,
-                why_eager=spec.eager_reasons, inputs=inputs, output=output,
-                graphed=runner is not None and graph.graphs_disabled_reason is None,
-                compiled_as=plan.report.compiled_as.get(spec.name),
-                captured=tuple(runner.captures) if runner else (),
-                code=plan.report.code[spec.name],
-                inductor_code=plan.report.inductor_code.get(spec.name)))
+            self.pieces.append(
+                PieceInfo(
+                    index=spec.index,
+                    name=spec.name,
+                    kind=spec.kind,
+                    num_ops=spec.num_ops,
+                    split_ops=spec.split_ops,
+                    why_eager=spec.eager_reasons,
+                    inputs=inputs,
+                    output=output,
+                    graphed=runner is not None and graph.graphs_disabled_reason is None,
+                    compiled_as=plan.report.compiled_as.get(spec.name),
+                    captured=tuple(runner.captures) if runner else (),
+                    code=plan.report.code[spec.name],
+                    inductor_code=plan.report.inductor_code.get(spec.name),
+                )
+            )
 
     # -- access -----------------------------------------------------------------------------------
 
@@ -90,12 +99,21 @@ class SplitReport:
         return groups
 
     def rows(self) -> list[dict]:
-        return [{"#": p.index, "piece": p.name, "kind": p.kind, "ops": p.num_ops,
-                 "what": p.label if p.kind == PieceKind.SPLIT else (p.why_eager[0] if p.why_eager else ""),
-                 "inputs": "; ".join(p.inputs), "output": p.output,
-                 "graphed": "yes" if p.graphed else "no" if p.kind == PieceKind.COMPUTE else "",
-                 "compiled as": p.compiled_as or "", "captured": ", ".join(map(str, p.captured))}
-                for p in self.pieces]
+        return [
+            {
+                "#": p.index,
+                "piece": p.name,
+                "kind": p.kind,
+                "ops": p.num_ops,
+                "what": p.label if p.kind == PieceKind.SPLIT else (p.why_eager[0] if p.why_eager else ""),
+                "inputs": "; ".join(p.inputs),
+                "output": p.output,
+                "graphed": "yes" if p.graphed else "no" if p.kind == PieceKind.COMPUTE else "",
+                "compiled as": p.compiled_as or "",
+                "captured": ", ".join(map(str, p.captured)),
+            }
+            for p in self.pieces
+        ]
 
     @property
     def attention(self) -> list[dict]:
@@ -106,8 +124,10 @@ class SplitReport:
         s = self.graph.stats
         why = self.graph.graphs_disabled_reason
         graphs = f"CUDA graphs: off: {why}" if why else f"CUDA graphs: on; padding: {s.padding}"
-        return (f"graph {self.serial}: {s.num_pieces} pieces ({s.num_compute_pieces} compute, "
-                f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; {graphs}")
+        return (
+            f"graph {self.serial}: {s.num_pieces} pieces ({s.num_compute_pieces} compute, "
+            f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; {graphs}"
+        )
 
     # -- rendering --------------------------------------------------------------------------------
 
@@ -129,11 +149,15 @@ class SplitReport:
         head = "".join(f"<th style='text-align:left'>{html.escape(k)}</th>" for k in rows[0]) if rows else ""
         body = "".join(
             f"<tr style='background:{colours.get(r['kind'], '#fff')}'>"
-            + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>"
-            for r in rows)
+            + "".join(f"<td style='text-align:left'>{html.escape(str(v))}</td>" for v in r.values())
+            + "</tr>"
+            for r in rows
+        )
         notes = "".join(f"<br>{html.escape(line)}" for line in self._attention_lines())
-        return (f"<p><b>{html.escape(self.headline())}</b>{notes}</p>"
-                f"<table style='font-size:12px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+        return (
+            f"<p><b>{html.escape(self.headline())}</b>{notes}</p>"
+            f"<table style='font-size:12px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        )
 
     def figure(self, per_row: int = 12):
         """Pieces as boxes in execution order (blue: compiled and graphed, orange: attention, grey:
@@ -141,8 +165,10 @@ class SplitReport:
         try:
             import matplotlib
         except ImportError as exc:
-            raise ImportError("piecewise: report.figure() and save_png() need matplotlib: pip install matplotlib "
-                              "(or pip install -e \".[notebooks]\"); print(report) needs nothing") from exc
+            raise ImportError(
+                "piecewise: report.figure() and save_png() need matplotlib: pip install matplotlib "
+                '(or pip install -e ".[notebooks]"); print(report) needs nothing'
+            ) from exc
 
         if matplotlib.get_backend().lower() == "agg" or not _in_notebook():
             matplotlib.use("Agg")
@@ -155,8 +181,17 @@ class SplitReport:
         for p in self.pieces:
             r, c = divmod(p.index, per_row)
             y = (rows - 1 - r) * 1.3
-            ax.add_patch(FancyBboxPatch((c * 1.25, y), 1.05, 0.9, boxstyle="round,pad=0.02",
-                                        facecolor=colours.get(p.kind, "white"), edgecolor="black", linewidth=0.6))
+            ax.add_patch(
+                FancyBboxPatch(
+                    (c * 1.25, y),
+                    1.05,
+                    0.9,
+                    boxstyle="round,pad=0.02",
+                    facecolor=colours.get(p.kind, "white"),
+                    edgecolor="black",
+                    linewidth=0.6,
+                )
+            )
             if p.kind == PieceKind.SPLIT:
                 ops = ", ".join("SDPA" if "scaled_dot_product" in op else op.split("::")[-1][:14] for op in p.split_ops)
                 text = f"{ops}\n{p.num_ops} ops"
@@ -168,8 +203,7 @@ class SplitReport:
         ax.set_xlim(-0.1, min(len(self.pieces), per_row) * 1.25)
         ax.set_ylim(-0.2, rows * 1.3)
         ax.axis("off")
-        ax.set_title(f"graph {self.serial}: blue compiled + graphed, orange attention (eager), grey eager",
-                     fontsize=9)
+        ax.set_title(f"graph {self.serial}: blue compiled + graphed, orange attention (eager), grey eager", fontsize=9)
         fig.tight_layout()
         plt.close(fig)  # shown once, as the return value (Jupyter's inline backend would show it again)
         return fig
@@ -193,8 +227,10 @@ def report(graph=None) -> SplitReport:
     if graph is None:
         graphs = compiled_graphs()
         if not graphs:
-            raise RuntimeError("piecewise: nothing compiled yet; call a model compiled with "
-                               "torch.compile(model, backend='piecewise') first, or use inspect_split().")
+            raise RuntimeError(
+                "piecewise: nothing compiled yet; call a model compiled with "
+                "torch.compile(model, backend='piecewise') first, or use inspect_split()."
+            )
         graph = graphs[-1]
     return SplitReport(graph)
 
@@ -231,10 +267,13 @@ def debug_dump(folder: str):
     with depyf.prepare_debug(folder):
         yield folder
     if _newest_serial() == before:
-        warnings.warn(f"piecewise: debug_dump({folder!r}): nothing was compiled inside the block, so there is "
-                      f"nothing of this backend's in the dump (Dynamo reused an earlier compile of this code). "
-                      f"Call torch._dynamo.reset() before the block, or make the block hold the model's first "
-                      f"call.", stacklevel=3)
+        warnings.warn(
+            f"piecewise: debug_dump({folder!r}): nothing was compiled inside the block, so there is "
+            f"nothing of this backend's in the dump (Dynamo reused an earlier compile of this code). "
+            f"Call torch._dynamo.reset() before the block, or make the block hold the model's first "
+            f"call.",
+            stacklevel=3,
+        )
 
 
 def _newest_serial() -> int:

@@ -53,7 +53,8 @@ def available() -> bool:
 
 
 if triton is not None:
-
+    # A Triton kernel reads as its math: kept as written.
+    # fmt: off
     @triton.jit
     def _partial_kernel(q_ptr, k_ptr, v_ptr, length_ptr, out_ptr, lse_ptr, mask_ptr,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
@@ -105,10 +106,20 @@ if triton is not None:
             slot = row_head * splits + split
             tl.store(out_ptr + slot * HEAD_DIM + d, out, mask=d_ok)
             tl.store(lse_ptr + slot, lse)
+    # fmt: on
 
     @triton.jit
-    def _merge_kernel(part_ptr, lse_ptr, out_ptr, length_ptr, splits, chunk,
-                      HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    def _merge_kernel(
+        part_ptr,
+        lse_ptr,
+        out_ptr,
+        length_ptr,
+        splits,
+        chunk,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+    ):
         row_head = tl.program_id(0)
         length = tl.load(length_ptr).to(tl.int32)
         s = tl.arange(0, BLOCK_S)
@@ -120,8 +131,11 @@ if triton is not None:
         weights = weights / tl.where(total > 0.0, total, 1.0)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
-        part = tl.load(part_ptr + (row_head * splits + s[:, None]) * HEAD_DIM + d[None, :],
-                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        part = tl.load(
+            part_ptr + (row_head * splits + s[:, None]) * HEAD_DIM + d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
         out = tl.sum(weights[:, None] * part, axis=0)
         tl.store(out_ptr + row_head * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -150,8 +164,14 @@ def plan_splits(row_heads: int, buffer_len: int, head_dim: int = 64) -> tuple[in
     return block, math.ceil(buffer_len / chunk), chunk
 
 
-def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor,
-                     scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+def prefix_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of ``q`` [B, H, 1, D] over positions ``[0, length)`` of ``keys``/``values`` [B, H / G, L, D]
     (last dim contiguous; each group of G query heads reads one cache head); ``length`` a one-element
     integer tensor on the same device, 1 <= length <= L; ``scale`` as SDPA's (None: 1 / sqrt(D));
@@ -166,8 +186,18 @@ def prefix_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return launch(q, keys, values, length, scale, mask, block, splits, chunk)
 
 
-def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: torch.Tensor, scale: float | None,
-           mask: torch.Tensor | None, block: int, splits: int, chunk: int, warps: int = 1) -> torch.Tensor:
+def launch(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    length: torch.Tensor,
+    scale: float | None,
+    mask: torch.Tensor | None,
+    block: int,
+    splits: int,
+    chunk: int,
+    warps: int = 1,
+) -> torch.Tensor:
     """:func:`prefix_attention` with its tiling given (``splits`` programs per head, each over ``chunk``
     keys in blocks of ``block``): one launch path for the op and for the benchmark that tunes it."""
     batch, heads, _, dim = q.shape
@@ -178,12 +208,35 @@ def launch(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, length: to
     # a broadcast dim of the mask (size 1) is read at stride 0; without a mask, q stands in (never read)
     mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 1, 3)] if mask is not None else [0, 0, 0]
     _partial_kernel[(batch * heads, splits)](
-        q, keys, values, length, partial, lse, mask if mask is not None else q,
-        q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), *mask_strides,
-        heads, heads // keys.shape[1], chunk, splits, 1.0 / math.sqrt(dim) if scale is None else scale,
-        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block, HAS_MASK=mask is not None,
-        MASK_BOOL=mask is not None and mask.dtype == torch.bool, num_warps=warps)
-    _merge_kernel[(batch * heads,)](partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d,
-                                    BLOCK_S=triton.next_power_of_2(splits))
+        q,
+        keys,
+        values,
+        length,
+        partial,
+        lse,
+        mask if mask is not None else q,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        values.stride(0),
+        values.stride(1),
+        values.stride(2),
+        *mask_strides,
+        heads,
+        heads // keys.shape[1],
+        chunk,
+        splits,
+        1.0 / math.sqrt(dim) if scale is None else scale,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        BLOCK=block,
+        HAS_MASK=mask is not None,
+        MASK_BOOL=mask is not None and mask.dtype == torch.bool,
+        num_warps=warps,
+    )
+    _merge_kernel[(batch * heads,)](
+        partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
+    )
     return out

@@ -37,26 +37,38 @@ def _kernels(t: torch.Tensor):
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens) -> None:
     if q.dim() != 3 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"paged_decode_attention: q must be [rows, heads, head_dim] and k_cache/v_cache "
-                         f"[pages, page_size, kv_heads, head_dim] of one shape; got q {tuple(q.shape)}, k_cache "
-                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"paged_decode_attention: q must be [rows, heads, head_dim] and k_cache/v_cache "
+            f"[pages, page_size, kv_heads, head_dim] of one shape; got q {tuple(q.shape)}, k_cache "
+            f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}"
+        )
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != dim or heads % kv_heads:
-        raise ValueError(f"paged_decode_attention: {heads} query heads of size {dim} cannot read {kv_heads} "
-                         f"cache heads of size {k_cache.shape[3]} (heads must be a multiple of kv_heads)")
+        raise ValueError(
+            f"paged_decode_attention: {heads} query heads of size {dim} cannot read {kv_heads} "
+            f"cache heads of size {k_cache.shape[3]} (heads must be a multiple of kv_heads)"
+        )
     if block_tables.dim() != 2 or block_tables.shape[0] < rows or seq_lens.dim() != 1 or seq_lens.shape[0] < rows:
-        raise ValueError(f"paged_decode_attention: block_tables must be [>= {rows}, pages per row] and seq_lens "
-                         f"[>= {rows}]; got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}")
+        raise ValueError(
+            f"paged_decode_attention: block_tables must be [>= {rows}, pages per row] and seq_lens "
+            f"[>= {rows}]; got {tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
+        )
     if block_tables.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
         raise TypeError("paged_decode_attention: block_tables and seq_lens must be integer tensors")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("paged_decode_attention: the caches need a contiguous last (head) dim")
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor | None = None,
-                           scale: float | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
     """Attention of each row's one query over its first ``seq_lens[row]`` cached keys.
 
     Args:
@@ -84,11 +96,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out
 
 
-def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+def reference_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """The same in plain torch: every page of each row's table gathered, keys past its length masked."""
     rows, heads, dim = q.shape
-    page, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads = k_cache.shape[2]
     tables = block_tables.long()
     keys = k_cache[tables].reshape(rows, -1, kv_heads, dim).float()  # [rows, pages * page, kv_heads, dim]
     values = v_cache[tables].reshape(rows, -1, kv_heads, dim).float()
@@ -102,14 +120,17 @@ def reference_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     return torch.einsum("rhn,rnhd->rhd", weights, values).to(q.dtype)
 
 
-def paged_cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
+def paged_cache_write(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store row ``i`` of ``k``/``v`` (``[rows, kv_heads, head_dim]``) at slot ``slot_mapping[i]`` of the caches
     (page ``slot // page_size``, offset ``slot % page_size``); a slot of -1 writes nothing."""
     rows = k.shape[0]
     if slot_mapping.dim() != 1 or slot_mapping.shape[0] < rows or k.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"paged_cache_write: k {tuple(k.shape)} must be [rows, kv_heads, head_dim] of the cache's "
-                         f"{tuple(k_cache.shape[2:])}, slot_mapping [>= rows]; got {tuple(slot_mapping.shape)}")
+        raise ValueError(
+            f"paged_cache_write: k {tuple(k.shape)} must be [rows, kv_heads, head_dim] of the cache's "
+            f"{tuple(k_cache.shape[2:])}, slot_mapping [>= rows]; got {tuple(slot_mapping.shape)}"
+        )
     slots = slot_mapping[:rows]
     paged_kernel = _kernels(k)
     if paged_kernel is not None and k_cache.is_contiguous() and v_cache.is_contiguous():

@@ -17,8 +17,14 @@ from ..op_names import GRAPH_ATTENTION_OP
 
 
 @torch.library.custom_op(GRAPH_ATTENTION_OP, mutates_args=())
-def prefix_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, length: torch.Tensor,
-                     scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+def prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    length: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of ``q`` [B, H, S, D] over positions ``[0, length)`` of ``k_cache[:B]``, ``v_cache[:B]``
     ([B, H / G, L, D]: each group of G query heads reads one cache head, as ``enable_gqa=True``);
     ``mask``: SDPA's ``attn_mask`` over the whole buffer, [B or more rows, or 1; H or 1; 1; L] (its
@@ -48,8 +54,9 @@ def _masked_prefix_attention(q, keys, values, length, scale=None, mask=None):
         combined = mask & live
     else:
         combined = mask.masked_fill(~live, float("-inf"))
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=combined, scale=scale,
-                                          enable_gqa=q.shape[1] != keys.shape[1]).contiguous()
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=combined, scale=scale, enable_gqa=q.shape[1] != keys.shape[1]
+    ).contiguous()
 
 
 PREFIX_ATTENTION = torch.ops.piecewise.prefix_attention.default  # what the rewritten graphs call
@@ -72,9 +79,20 @@ def _efficient_prefix_attention(q, keys, values, length, scale=None):
     starts = torch.arange(sequences + 1, device=q.device, dtype=torch.int32)
     seqlen = length.to(torch.int32).reshape(1).expand(sequences).contiguous()
     out = torch.ops.aten._efficient_attention_forward(
-        q.reshape(1, sequences, 1, dim), keys.reshape(1, sequences * size, 1, dim),
-        values.reshape(1, sequences * size, 1, dim), None, starts, starts * size, 1, size, 0.0, 0, False,
-        scale=scale, seqlen_k=seqlen)[0]
+        q.reshape(1, sequences, 1, dim),
+        keys.reshape(1, sequences * size, 1, dim),
+        values.reshape(1, sequences * size, 1, dim),
+        None,
+        starts,
+        starts * size,
+        1,
+        size,
+        0.0,
+        0,
+        False,
+        scale=scale,
+        seqlen_k=seqlen,
+    )[0]
     return out.reshape(batch, heads, 1, dim)
 
 

@@ -14,7 +14,8 @@ import inspect
 import io
 import os
 import pickle
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -106,7 +107,8 @@ def write_functions(path: str, functions: list) -> None:
         raise RuntimeError(
             f"piecewise: torch's AOT route cannot save this compiled function ({str(exc).splitlines()[0]}). "
             f"The forward of one of torch's own module classes (nn.Linear, nn.Sequential, ...) is not saveable: "
-            f"wrap the model in a module class of your own whose forward calls it, and save that forward.") from None
+            f"wrap the model in a module class of your own whose forward calls it, and save that forward."
+        ) from None
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         pickle.dump({"format": _FORMAT, "functions": data}, f)
@@ -146,9 +148,15 @@ def _tiny(x):
 def aot_compile_settings():
     """The AOTAutograd settings ``aot_compile`` compiles a backend under (2.11, 2.13): compiled code
     then carries the ``serialize`` that :func:`inductor_artifact` needs (a worker process uses them)."""
-    return torch._functorch.config.patch({"strict_autograd_cache": True, "bypass_autograd_cache_key": True,
-                                          "bundled_autograd_cache": True, "force_non_lazy_backward_lowering": True,
-                                          "force_autograd_cache": True})
+    return torch._functorch.config.patch(
+        {
+            "strict_autograd_cache": True,
+            "bypass_autograd_cache_key": True,
+            "bundled_autograd_cache": True,
+            "force_non_lazy_backward_lowering": True,
+            "force_autograd_cache": True,
+        }
+    )
 
 
 def tracing(fake_mode):
@@ -163,9 +171,12 @@ def fresh_fake_mode(hints: dict) -> tuple:
     from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
     shape_env = ShapeEnv()
-    symbols = {sym: shape_env.create_symbol(hint, ConstantSource(f"piecewise_{sym}"), dynamic_dim=DimDynamic.DYNAMIC)
-               if hint is not None else shape_env.create_unbacked_symint().node.expr  # a size with no hint: unbacked
-               for sym, hint in hints.items()}
+    symbols = {
+        sym: shape_env.create_symbol(hint, ConstantSource(f"piecewise_{sym}"), dynamic_dim=DimDynamic.DYNAMIC)
+        if hint is not None
+        else shape_env.create_unbacked_symint().node.expr  # a size with no hint: unbacked
+        for sym, hint in hints.items()
+    }
     hints = {sym: hint if hint is not None else 64 for sym, hint in hints.items()}  # a size to evaluate strides at
     return FakeTensorMode(shape_env=shape_env), shape_env, (symbols, hints)
 
@@ -195,8 +206,9 @@ def fake_of(spec: Any, symbols: tuple, fake_mode) -> Any:
         size = [_symint(s, symbols, shape_env) for s in spec.shape]
         stride = [_symint(s, symbols, shape_env) for s in spec.strides]
         with fake_mode:
-            return torch.empty_strided(size, stride, dtype=spec.dtype, device=spec.device,
-                                       requires_grad=spec.requires_grad)
+            return torch.empty_strided(
+                size, stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
+            )
     if isinstance(spec, SymSpec):
         return _symint(spec.expr, symbols, shape_env)
     return spec

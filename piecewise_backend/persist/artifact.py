@@ -64,18 +64,20 @@ class SaveableGraph(CompiledGraph, _torch_internals.SerializableCallable):
     """The compiled graph every build returns: one that torch's AOT route can save."""
 
     @classmethod
-    def serialize_compile_artifacts(cls, fn: "SaveableGraph") -> bytes:
+    def serialize_compile_artifacts(cls, fn: SaveableGraph) -> bytes:
         plan = fn.plan
         if plan.collective_groups:
-            raise NotSaveable("piecewise: a graph with collectives (tensor parallel) cannot be saved: its "
-                              "process groups live in one process.")
+            raise NotSaveable(
+                "piecewise: a graph with collectives (tensor parallel) cannot be saved: its "
+                "process groups live in one process."
+            )
         table = ArtifactTable()
         code = {name: save_code(fn.compiled_code.get(name), name, table) for name in plan.pieces}
         body = pickle.dumps({"plan": plan, "code": code, "artifacts": table.saved})  # the plan holds its settings
         return pickle.dumps((_header(plan.device), body))  # the header is read before anything is built
 
     @classmethod
-    def deserialize_compile_artifacts(cls, data: bytes) -> "SaveableGraph":
+    def deserialize_compile_artifacts(cls, data: bytes) -> SaveableGraph:
         header, body = pickle.loads(data)
         check_header(header)
         state = pickle.loads(body)

@@ -57,8 +57,10 @@ def job_of(plan: GraphPlan, hints: dict) -> dict:
     """What the worker needs: each distinct piece's FX code and described inputs, a hint per symbol."""
     firsts = sorted({first for first in plan.report.compiled_as.values()})
     symbols = set().union(*(spec_symbols(plan.pieces[name].arg_specs) for name in firsts))
-    return {"pieces": {name: (pickle.dumps(plan.program.piece(name)), plan.pieces[name].arg_specs) for name in firsts},
-            "hints": {sym: int(hints[sym]) if sym in hints else None for sym in symbols}}  # None: unbacked
+    return {
+        "pieces": {name: (pickle.dumps(plan.program.piece(name)), plan.pieces[name].arg_specs) for name in firsts},
+        "hints": {sym: int(hints[sym]) if sym in hints else None for sym in symbols},
+    }  # None: unbacked
 
 
 WORKERS_VARIABLE = "PIECEWISE_COMPILE_WORKERS"  # the environment's say in how many processes compile at once
@@ -73,8 +75,10 @@ def worker_count() -> int:
     value = os.environ.get(WORKERS_VARIABLE, "")
     if value:
         if not value.isdigit() or int(value) < 1:
-            raise ValueError(f"piecewise: {WORKERS_VARIABLE}={value!r}: give a whole number of worker processes, "
-                             f"1 or more (or unset it: one)")
+            raise ValueError(
+                f"piecewise: {WORKERS_VARIABLE}={value!r}: give a whole number of worker processes, "
+                f"1 or more (or unset it: one)"
+            )
         return int(value)
     return 1
 
@@ -100,7 +104,7 @@ class CompileBehind:
     worker found dead is started again for its next task."""
 
     _lock = threading.Lock()
-    _shared: "CompileBehind | None" = None
+    _shared: CompileBehind | None = None
 
     def __init__(self, workers: int | None = None, device: str | None = None):
         self.tasks: queue.Queue = queue.Queue()
@@ -110,11 +114,12 @@ class CompileBehind:
         self.env = {"TORCHINDUCTOR_COMPILE_THREADS": str(threads), **os.environ}
         self.workers = [_Worker(self.env, device) for _ in range(count)]
         for i, worker in enumerate(self.workers):
-            threading.Thread(target=self._feed, args=(worker,), daemon=True,
-                             name=f"piecewise-compile-behind-{i}").start()
+            threading.Thread(
+                target=self._feed, args=(worker,), daemon=True, name=f"piecewise-compile-behind-{i}"
+            ).start()
 
     @classmethod
-    def shared(cls, device: str | None = None) -> "CompileBehind":
+    def shared(cls, device: str | None = None) -> CompileBehind:
         """The process's workers, started now if not yet (``device``: see :func:`start_compile_workers`)."""
         with cls._lock:
             if cls._shared is None:
@@ -131,10 +136,9 @@ class CompileBehind:
     def submit(self, job: dict, attention_ops: frozenset, deliver, plan: GraphPlan, label: str) -> None:
         pending = _PendingGraph(deliver, dict(plan.report.compiled_as), label, len(job["pieces"]))
         for name, piece in job["pieces"].items():
-            self.tasks.put(({"pieces": {name: piece}, "hints": job["hints"], "attention_ops": attention_ops},
-                            pending))
+            self.tasks.put(({"pieces": {name: piece}, "hints": job["hints"], "attention_ops": attention_ops}, pending))
 
-    def _feed(self, worker: "_Worker") -> None:
+    def _feed(self, worker: _Worker) -> None:
         while True:
             task, pending = self.tasks.get()
             try:
@@ -154,9 +158,13 @@ class _Worker:
 
     def _start(self) -> subprocess.Popen:
         self.stderr = tempfile.TemporaryFile()  # read back only to say why the worker died
-        return subprocess.Popen([sys.executable, "-m", "piecewise_backend.persist.compile_worker",
-                                 *([self.device] if self.device else [])],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, env=self.env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "piecewise_backend.persist.compile_worker", *([self.device] if self.device else [])],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            env=self.env,
+        )
 
     def compile(self, task: dict) -> dict:
         if self.process.poll() is not None:
@@ -210,8 +218,11 @@ class _PendingGraph:
                 return
         said = [e for e in self.errors if e is not None]
         if said:
-            warnings.warn(f"piecewise: graph {self.label}: compiling behind failed ({type(said[0]).__name__}: "
-                          f"{said[0]}); it keeps running its traced code", stacklevel=1)
+            warnings.warn(
+                f"piecewise: graph {self.label}: compiling behind failed ({type(said[0]).__name__}: "
+                f"{said[0]}); it keeps running its traced code",
+                stacklevel=1,
+            )
         if not self.errors:
             self._post()
 
@@ -220,18 +231,37 @@ class _PendingGraph:
         try:
             code = loaded_code(self.results, self.compiled_as)
         except Exception as exc:  # noqa: BLE001 - an artifact that does not load: keep the traced code
-            warnings.warn(f"piecewise: graph {self.label}: the code compiled behind did not load "
-                          f"({type(exc).__name__}: {exc}); it keeps running its traced code", stacklevel=1)
+            warnings.warn(
+                f"piecewise: graph {self.label}: the code compiled behind did not load "
+                f"({type(exc).__name__}: {exc}); it keeps running its traced code",
+                stacklevel=1,
+            )
             return
         seconds = sum(r["seconds"] for r in self.results)
-        timeline = {"submitted": self.submitted, "workers_ready": max(r["ready_at"] for r in self.results),
-                    "first_piece": min(r["started_at"] for r in self.results), "compiled": compiled,
-                    "loaded": time.time()}  # wall clock (``time.time()``): the workers' clocks are other processes'
-        log.info("piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, over %d pieces), loaded in "
-                 "%.1f s", self.label, compiled - self.submitted, seconds, len(self.results),
-                 timeline["loaded"] - compiled)
-        self.deliver({"code": code, "seconds": seconds, "compiles": sum(r["compiles"] for r in self.results),
-                      "guards": [g for r in self.results for g in r["guards"]], "timeline": timeline})
+        timeline = {
+            "submitted": self.submitted,
+            "workers_ready": max(r["ready_at"] for r in self.results),
+            "first_piece": min(r["started_at"] for r in self.results),
+            "compiled": compiled,
+            "loaded": time.time(),
+        }  # wall clock (``time.time()``): the workers' clocks are other processes'
+        log.info(
+            "piecewise: graph %s: compiled behind in %.1f s (%.1f s compiling, over %d pieces), loaded in %.1f s",
+            self.label,
+            compiled - self.submitted,
+            seconds,
+            len(self.results),
+            timeline["loaded"] - compiled,
+        )
+        self.deliver(
+            {
+                "code": code,
+                "seconds": seconds,
+                "compiles": sum(r["compiles"] for r in self.results),
+                "guards": [g for r in self.results for g in r["guards"]],
+                "timeline": timeline,
+            }
+        )
 
 
 def loaded_code(results: list, compiled_as: dict) -> dict:

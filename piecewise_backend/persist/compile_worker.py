@@ -38,17 +38,25 @@ def compile_job(job: dict) -> dict:
     guards_before = len(shape_env.guards)
     compiler = PieceCompiler(fake_mode, frozenset(), job["attention_ops"], inductor=True)
     table, code = ArtifactTable(), {}
-    with _torch_internals.aot_compile_settings(), _torch_internals.tracing(fake_mode), \
-            internals.fake_propagation(fake_mode):
+    with (
+        _torch_internals.aot_compile_settings(),
+        _torch_internals.tracing(fake_mode),
+        internals.fake_propagation(fake_mode),
+    ):
         for name, (module, specs) in job["pieces"].items():
             gm = pickle.loads(module)
             fakes = [_torch_internals.fake_of(spec, symbols, fake_mode) for spec in specs]
             _torch_internals.propagate_fake_values(gm, fakes, fake_mode)  # what cutting into layers reads
             piece, _ = compiler.compile(name, gm, fakes, keep_eager=False)
             code[name] = save_code(piece.fn, name, table)
-    return {"code": code, "artifacts": table.saved, "compiles": compiler.inductor_compiles,
-            "seconds": time.perf_counter() - started, "started_at": started_at,
-            "guards": [_torch_internals.in_their_symbols(g.expr, symbols) for g in shape_env.guards[guards_before:]]}
+    return {
+        "code": code,
+        "artifacts": table.saved,
+        "compiles": compiler.inductor_compiles,
+        "seconds": time.perf_counter() - started,
+        "started_at": started_at,
+        "guards": [_torch_internals.in_their_symbols(g.expr, symbols) for g in shape_env.guards[guards_before:]],
+    }
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ once (pieces of the same code share it, as they shared the compile), in :class:`
 from __future__ import annotations
 
 import pickle
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -37,7 +37,8 @@ class ArtifactTable:
                 raise NotSaveable(
                     f"piecewise: {piece}'s compiled code cannot be saved: it was not compiled under torch's AOT "
                     f"route. Save through piecewise_backend.save(...) (or torch.compile(..., fullgraph=True)"
-                    f".aot_compile(...)), which compiles for saving.")
+                    f".aot_compile(...)), which compiles for saving."
+                )
             self._index[id(fn)] = len(self.saved)
             self.saved.append((data, _torch_internals.single_output(fn)))
         return self._index[id(fn)]

@@ -15,7 +15,7 @@ why, once.
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -37,8 +37,9 @@ def _examples(example_inputs) -> list[tuple[tuple, dict]]:
         elif isinstance(call, tuple):
             out.append((call, {}))
         else:
-            raise TypeError(f"piecewise.save: an example call is a tuple of arguments or (args, kwargs); got "
-                            f"{type(call).__name__}")
+            raise TypeError(
+                f"piecewise.save: an example call is a tuple of arguments or (args, kwargs); got {type(call).__name__}"
+            )
     return out
 
 
@@ -65,13 +66,17 @@ class WarmFunction:
             return saved.fn(*args, **kwargs)
         if self._fallback is None:
             reason = _torch_internals.guard_failure(self.functions, args, kwargs)
-            warnings.warn(f"piecewise: a call does not fit the saved compiled function (its guards: {reason}); "
-                          f"such calls are compiled and run as without it", stacklevel=2)
-        return self.fallback(*args[len(self._bound):], **kwargs)
+            warnings.warn(
+                f"piecewise: a call does not fit the saved compiled function (its guards: {reason}); "
+                f"such calls are compiled and run as without it",
+                stacklevel=2,
+            )
+        return self.fallback(*args[len(self._bound) :], **kwargs)
 
 
-def save(fn: Callable, example_inputs, path: str, *, options: Mapping | None = None,
-         dynamic: bool | None = None) -> WarmFunction:
+def save(
+    fn: Callable, example_inputs, path: str, *, options: Mapping | None = None, dynamic: bool | None = None
+) -> WarmFunction:
     """Compile ``fn`` (a function, or a bound method such as ``model.forward``) for ``example_inputs``,
     write it to ``path`` and return it, ready to call as ``fn``.
 

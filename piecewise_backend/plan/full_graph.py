@@ -23,16 +23,17 @@ from ..config import PiecewiseConfig
 from ..fx import graph_facts as facts
 from ..op_names import is_random_op
 from ..split.splitting import SplitGraph
+from .inputs import GraphInputs
 from .padding import piece_padding
 from .rows.row_independence import analyse
-from .inputs import GraphInputs
 from .types import FullGraphPlan, ShapeKey
 
 _WHOLE = "the whole graph"
 
 
-def full_graph_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, key: ShapeKey,
-                    compute_draws_random: bool) -> FullGraphPlan:
+def full_graph_plan(
+    config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, key: ShapeKey, compute_draws_random: bool
+) -> FullGraphPlan:
     names = inputs.names
     written = frozenset(i for i, name in enumerate(names) if name in split.written_inputs)
     in_place = inputs.static_inputs | inputs.python_scalars | written
@@ -40,8 +41,10 @@ def full_graph_plan(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGr
     draws_random = compute_draws_random or any(n.op == "call_function" and is_random_op(n.target) for n in nodes)
     refusal, returns_inputs = _returned_inputs(inputs, in_place)
     if split.unsafe_ops:
-        refusal = (f"it holds {', '.join(split.unsafe_ops)}, tagged torch.Tag.cudagraph_unsafe: its author says it "
-                   f"must never be captured, so calls under cudagraph_mode('full') run piecewise")
+        refusal = (
+            f"it holds {', '.join(split.unsafe_ops)}, tagged torch.Tag.cudagraph_unsafe: its author says it "
+            f"must never be captured, so calls under cudagraph_mode('full') run piecewise"
+        )
     padding, note, capacities = _full_padding(config, inputs, split, key, nodes, in_place)
     return FullGraphPlan(refusal, padding, note, capacities, in_place, draws_random, returns_inputs)
 
@@ -58,14 +61,17 @@ def _returned_inputs(inputs: GraphInputs, in_place: frozenset) -> tuple[str | No
         if root is None or root.op != "placeholder":
             continue
         if index[root.name] not in in_place:
-            return (f"it returns a view of its input {root.name}, which a full graph would copy: it would hand "
-                    f"back a view of its copy"), frozenset()
+            return (
+                f"it returns a view of its input {root.name}, which a full graph would copy: it would hand "
+                f"back a view of its copy"
+            ), frozenset()
         kept.add(j)
     return None, frozenset(kept)
 
 
-def _full_padding(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, key: ShapeKey, nodes: list,
-                  in_place: frozenset) -> tuple:
+def _full_padding(
+    config: PiecewiseConfig, inputs: GraphInputs, split: SplitGraph, key: ShapeKey, nodes: list, in_place: frozenset
+) -> tuple:
     """(padding or None, note for people, row capacities) of the whole graph."""
     if key.pad_position is None:
         return None, "no dynamic batch size: one shape, captured as is", ()
@@ -74,8 +80,12 @@ def _full_padding(config: PiecewiseConfig, inputs: GraphInputs, split: SplitGrap
         return None, "off (padding=False): only exact capture sizes get full graphs", ()
     refusal = _writes_batch_rows(inputs, split, sym) or _in_place_with_batch_rows(inputs, in_place, sym)
     if refusal is None:
-        rows = analyse(nodes, sym, inputs.rewrite.row_access if inputs.rewrite is not None else {},
-                       frozenset(config.row_independent_ops))
+        rows = analyse(
+            nodes,
+            sym,
+            inputs.rewrite.row_access if inputs.rewrite is not None else {},
+            frozenset(config.row_independent_ops),
+        )
         refusal = rows.refusal
     padding = None
     if refusal is None:
@@ -110,6 +120,8 @@ def _in_place_with_batch_rows(inputs: GraphInputs, in_place: frozenset, sym) -> 
     for i in sorted(in_place):
         value = inputs.fake_inputs[i]
         if isinstance(value, torch.Tensor) and sym in facts.value_symbols(value, with_offset=False):
-            return (f"{inputs.names[i]} {tuple(value.shape)} is used in place and has the batch size {sym} in its "
-                    f"shape: a padded batch would have rows it does not")
+            return (
+                f"{inputs.names[i]} {tuple(value.shape)} is used in place and has the batch size {sym} in its "
+                f"shape: a padded batch would have rows it does not"
+            )
     return None

@@ -34,8 +34,11 @@ class GraphInputs:
     @functools.cached_property
     def devices(self) -> frozenset:
         """The device types of the tensor inputs (Python floats passed as CPU scalars left out)."""
-        return frozenset(v.device.type for i, v in enumerate(self.fake_inputs)
-                         if isinstance(v, torch.Tensor) and i not in self.python_scalars)
+        return frozenset(
+            v.device.type
+            for i, v in enumerate(self.fake_inputs)
+            if isinstance(v, torch.Tensor) and i not in self.python_scalars
+        )
 
     @functools.cached_property
     def names(self) -> tuple:
@@ -55,8 +58,9 @@ class GraphInputs:
     def weight_indices(self) -> tuple:
         """The parameters/buffers whose addresses choose the set of graphs (not the step scalars)."""
         own = len(self.fake_inputs) - 1 if self.rewrite is not None else None
-        return tuple(i for i in sorted(self.static_inputs)
-                     if isinstance(self.fake_inputs[i], torch.Tensor) and i != own)
+        return tuple(
+            i for i in sorted(self.static_inputs) if isinstance(self.fake_inputs[i], torch.Tensor) and i != own
+        )
 
     @property
     def masked_buffers(self) -> frozenset:
@@ -67,9 +71,14 @@ class GraphInputs:
 
     def run_time(self) -> InputsPlan:
         """What run time reads of the inputs: their names, descriptions, and which are used in place."""
-        return InputsPlan(self.names, tuple(describe(v) for v in self.fake_inputs), self.static_inputs,
-                          self.python_scalars, self.weight_indices,
-                          self.step_scalars)
+        return InputsPlan(
+            self.names,
+            tuple(describe(v) for v in self.fake_inputs),
+            self.static_inputs,
+            self.python_scalars,
+            self.weight_indices,
+            self.step_scalars,
+        )
 
     @property
     def step_scalars(self) -> StepScalarLayout | None:
@@ -77,10 +86,12 @@ class GraphInputs:
         return StepScalarLayout(rewrite.slots, rewrite.device, rewrite.writes_masked) if rewrite is not None else None
 
     @staticmethod
-    def with_rewrite(rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set,
-                     graphs_off: str | None = None) -> "GraphInputs":
+    def with_rewrite(
+        rewrite: Rewrite, fake_mode, fake_inputs: list, static_names: set, graphs_off: str | None = None
+    ) -> GraphInputs:
         """The rewritten graph's inputs: one more, the step scalars (a tensor Dynamo never saw: its
         static shape, not a fresh symbol)."""
         fakes = (*fake_inputs, fake_mode.from_tensor(example_tensor(rewrite.slots, rewrite.device), static_shapes=True))
-        return GraphInputs(rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite,
-                           graphs_off)
+        return GraphInputs(
+            rewrite.graph_module, fake_mode, fakes, frozenset(static_names) | {PLACEHOLDER}, rewrite, graphs_off
+        )

@@ -63,15 +63,22 @@ def piece_padding(name: str, fake_args: list, fake_out: Any, sym) -> PiecePaddin
                 return f"{name}: output {j} has shape {tuple(value.shape)}, not one plain batch dim"
             out_dims.append(dims[0] if dims else None)
         else:
-            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and \
-                    sym in sym_expr(value).free_symbols:  # a graph keeps the padded size's value
+            if (
+                isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)) and sym in sym_expr(value).free_symbols
+            ):  # a graph keeps the padded size's value
                 return f"{name}: output {j} is a number computed from the batch size ({sym_expr(value)})"
             out_dims.append(None)
     return PiecePadding(arg_dims, tuple(out_dims), scalars)
 
 
-def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict, row_access: dict | None = None,
-                 declared: frozenset = frozenset()) -> tuple[dict | None, str | None, tuple]:
+def plan_padding(
+    sym,
+    compute_nodes,
+    pieces: dict,
+    input_writes: dict,
+    row_access: dict | None = None,
+    declared: frozenset = frozenset(),
+) -> tuple[dict | None, str | None, tuple]:
     """Padding of every compute piece and the row capacities, or (None, reason, ()) when the graph
     cannot be padded.
 
@@ -93,4 +100,3 @@ def plan_padding(sym, compute_nodes, pieces: dict, input_writes: dict, row_acces
             return None, plan, ()
         out[name] = plan
     return out, None, rows.capacities
-

@@ -34,5 +34,8 @@ def choose(option: Any, eager_sdpa: list[torch.fx.Node], device_type: str = "cud
     varying = [node.name for node in eager_sdpa if isinstance(_kv_length(node), torch.SymInt)]
     if not varying:
         return None
-    return SdpaChoice({"cudnn": False}, f"cuDNN attention off: {len(varying)} eager SDPA call(s) see a new KV "
-                                          f"length per call (e.g. {varying[0]}), which cuDNN would re-plan")
+    return SdpaChoice(
+        {"cudnn": False},
+        f"cuDNN attention off: {len(varying)} eager SDPA call(s) see a new KV "
+        f"length per call (e.g. {varying[0]}), which cuDNN would re-plan",
+    )

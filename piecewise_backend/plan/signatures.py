@@ -13,8 +13,15 @@ import torch.fx
 
 from .._torch_internals import sym_expr
 
-_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.int64: "i64",
-           torch.int32: "i32", torch.bool: "b8", torch.float64: "f64"}
+_DTYPES = {
+    torch.float32: "f32",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "i64",
+    torch.int32: "i32",
+    torch.bool: "b8",
+    torch.float64: "f64",
+}
 
 
 def describe(value: Any) -> str:

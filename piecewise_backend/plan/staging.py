@@ -25,12 +25,18 @@ def _storage(value):
     return storage_ref(value) if isinstance(value, torch.Tensor) else None
 
 
-def stage_keys(split_gm: torch.fx.GraphModule, node_values: dict, compute_names: set[str],
-               written_inputs: frozenset, static_inputs: set[str]) -> dict[str, dict[int, str]]:
+def stage_keys(
+    split_gm: torch.fx.GraphModule,
+    node_values: dict,
+    compute_names: set[str],
+    written_inputs: frozenset,
+    static_inputs: set[str],
+) -> dict[str, dict[int, str]]:
     """For each compute piece: arg index -> stage key (the split-graph node it reads), for the args
     that are staged (read by two or more compute pieces, unwritten graph inputs or views of them)."""
-    unwritten = {_storage(node_values[n]) for n in split_gm.graph.nodes
-                 if n.op == "placeholder" and n.name not in written_inputs}
+    unwritten = {
+        _storage(node_values[n]) for n in split_gm.graph.nodes if n.op == "placeholder" and n.name not in written_inputs
+    }
     unwritten.discard(None)
     static = {n.name for n in split_gm.graph.nodes if n.op == "placeholder" and n.name in static_inputs}
     calls = [n for n in split_gm.graph.nodes if n.op == "call_module" and str(n.target) in compute_names]
@@ -39,8 +45,12 @@ def stage_keys(split_gm: torch.fx.GraphModule, node_values: dict, compute_names:
     for call in calls:
         keys = {}
         for i, arg in enumerate(call.args):
-            if (isinstance(arg, torch.fx.Node) and readers[arg] > 1 and arg.name not in static
-                    and _storage(node_values.get(arg)) in unwritten):
+            if (
+                isinstance(arg, torch.fx.Node)
+                and readers[arg] > 1
+                and arg.name not in static
+                and _storage(node_values.get(arg)) in unwritten
+            ):
                 keys[i] = arg.name
         out[str(call.target)] = keys
     return out

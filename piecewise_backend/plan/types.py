@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.fx
 
 from .._torch_internals import sym_expr
 from ..kinds import PieceSpec, Slot
-
 
 # -- values, described -------------------------------------------------------------------------------
 
@@ -66,8 +66,13 @@ def describe(value: Any) -> Any:
     """The run-time description of a compile-time value: fake tensors become :class:`TensorSpec`,
     symbolic numbers :class:`SymSpec`, lists and tuples keep their structure, the rest is kept."""
     if isinstance(value, torch.Tensor):
-        return TensorSpec(tuple(map(_size, value.shape)), tuple(map(_size, value.stride())), value.dtype,
-                          value.device, bool(value.requires_grad))
+        return TensorSpec(
+            tuple(map(_size, value.shape)),
+            tuple(map(_size, value.stride())),
+            value.dtype,
+            value.device,
+            bool(value.requires_grad),
+        )
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return SymSpec(sym_expr(value))
     if type(value) in (list, tuple):
@@ -263,7 +268,7 @@ class RuntimeSettings:
     clone_outputs: bool
 
     @classmethod
-    def of(cls, config) -> "RuntimeSettings":
+    def of(cls, config) -> RuntimeSettings:
         """The run-time options of a ``PiecewiseConfig`` (validated)."""
         return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
 

@@ -58,8 +58,9 @@ IDIOMS = (KV_WRITES, ROPE_READS, STEP_RANGES, GRAPH_ATTENTION)
 
 def _find(graph: torch.fx.Graph, static_names: set[str], steps: frozenset, writes: bool, attention: bool) -> dict:
     """Every idiom's sites (an idiom these options do not ask for: none)."""
-    return {idiom: idiom.find(graph, static_names, steps) if idiom.wanted(writes, attention) else []
-            for idiom in IDIOMS}
+    return {
+        idiom: idiom.find(graph, static_names, steps) if idiom.wanted(writes, attention) else [] for idiom in IDIOMS
+    }
 
 
 def _bounds(graph: torch.fx.Graph, sites: dict) -> Slots:
@@ -103,8 +104,9 @@ def _drop_orphaned_scalars(graph: torch.fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def rewrite_decode(gm: torch.fx.GraphModule, static_names: set[str], writes: bool = True,
-                   attention: bool = False) -> Rewrite | None:
+def rewrite_decode(
+    gm: torch.fx.GraphModule, static_names: set[str], writes: bool = True, attention: bool = False
+) -> Rewrite | None:
     """A copy of ``gm`` with the qualifying KV writes (``writes``) and decode attention calls
     (``attention``) rewritten; None if there are none.
 
@@ -132,5 +134,13 @@ def rewrite_decode(gm: torch.fx.GraphModule, static_names: set[str], writes: boo
     _drop_orphaned_scalars(graph)
     graph.lint()
     gm.recompile()
-    return Rewrite(gm, tuple(slots.slots), buffer_value.device, masked, frozenset(s.buffer.name for s in kv_writes),
-                   row_access, len(attention_sites), len(views))
+    return Rewrite(
+        gm,
+        tuple(slots.slots),
+        buffer_value.device,
+        masked,
+        frozenset(s.buffer.name for s in kv_writes),
+        row_access,
+        len(attention_sites),
+        len(views),
+    )

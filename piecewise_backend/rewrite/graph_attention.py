@@ -79,8 +79,14 @@ def _prefix_view(node, static_names: set, placeholders: dict, steps: frozenset):
     if sliced is None:
         return None
     buffer, (rows, heads, positions) = sliced
-    if rows.start is not None or rows.step is not None or heads != slice(None) or positions.start is not None \
-            or positions.step is not None or not isinstance(positions.stop, torch.fx.Node):
+    if (
+        rows.start is not None
+        or rows.step is not None
+        or heads != slice(None)
+        or positions.start is not None
+        or positions.step is not None
+        or not isinstance(positions.stop, torch.fx.Node)
+    ):
         return None
     if not facts.is_per_step(positions.stop, steps):
         return None
@@ -120,6 +126,16 @@ def _grown_by_cat(arg, roots: dict, hops: int = 6) -> bool:
     return False
 
 
+def _heads_fit(q, shapes, repeats: set, gqa: bool) -> bool:
+    """Do the caches' head counts serve the query's: as they are, repeated the one way for both
+    (``repeat_interleave``/``repeat_kv``), or grouped by ``enable_gqa``?"""
+    if len(repeats) > 1 or shapes[0] != shapes[1]:
+        return False
+    if repeats != {1}:  # repeat_interleave / repeat_kv: as many heads as the query once repeated
+        return shapes[0][1] * repeats.pop() == q.shape[1]
+    return shapes[0][1] == q.shape[1] or gqa and q.shape[1] % shapes[0][1] == 0
+
+
 def _site_or_reason(node, static_names: set, placeholders: dict, steps: frozenset, roots: dict) -> AttentionSite | str:
     """The site to rewrite, or why this SDPA call stays eager (for people: the inspection report)."""
     query = node.args[0]
@@ -129,12 +145,16 @@ def _site_or_reason(node, static_names: set, placeholders: dict, steps: frozense
     if _torch_internals.sym_expr(q.shape[2]) != 1:
         return f"its query has {q.shape[2]} positions, not one (a prefill)"
     if any(_grown_by_cat(a, roots) for a in node.args[1:3]):
-        return ("its keys/values grow by torch.cat every step (a dynamic cache): the cat runs eagerly beside it, "
-                "so the compute pieces replay at every KV length")
+        return (
+            "its keys/values grow by torch.cat every step (a dynamic cache): the cat runs eagerly beside it, "
+            "so the compute pieces replay at every KV length"
+        )
     extra = [k for k, v in node.kwargs.items() if k != "attn_mask" and not _taken(k, v)]
     if len(node.args) not in (3, 4) or extra:  # the kernel takes q, k, v, a mask, a scale and GQA
-        return (f"it passes {', '.join(extra) or 'more than q, k, v, attn_mask'} (the graph-safe kernel takes "
-                f"q, k, v, attn_mask, scale and enable_gqa alone)")
+        return (
+            f"it passes {', '.join(extra) or 'more than q, k, v, attn_mask'} (the graph-safe kernel takes "
+            f"q, k, v, attn_mask, scale and enable_gqa alone)"
+        )
     mask_arg = node.args[3] if len(node.args) == 4 else node.kwargs.get("attn_mask")
     kv = [repeated_heads(a) or (a, 1, ()) for a in node.args[1:]]  # GQA written out: read the cache itself
     views = [_prefix_view(inner, static_names, placeholders, steps) for inner, _, _ in kv]
@@ -148,15 +168,7 @@ def _site_or_reason(node, static_names: set, placeholders: dict, steps: frozense
     shapes = [v.shape for v in values]
     if length is None:
         return "its KV length is not a per-step int plus a constant"
-    gqa = node.kwargs.get("enable_gqa", False)
-    repeats = {groups for _, groups, _ in kv}
-    if len(repeats) > 1:
-        return "its keys and values repeat their heads differently"
-    if repeats != {1}:  # repeat_interleave / repeat_kv: as many heads as the query once repeated
-        fits = shapes[0][1] * repeats.pop() == q.shape[1]
-    else:
-        fits = shapes[0][1] == q.shape[1] or gqa and q.shape[1] % shapes[0][1] == 0
-    if shapes[0] != shapes[1] or not fits:
+    if not _heads_fit(q, shapes, {groups for _, groups, _ in kv}, node.kwargs.get("enable_gqa", False)):
         return "keys and values have other head counts than the query, and no enable_gqa=True that fits them"
     if not all(v.is_contiguous() for v in values):  # the kernel reads the cache in place
         return "a cache is not contiguous"
@@ -168,8 +180,16 @@ def _site_or_reason(node, static_names: set, placeholders: dict, steps: frozense
         if isinstance(mask, str):
             return mask
     read = tuple(n for inner, _, chain in kv for n in (*chain, inner))  # outermost first: erased in this order
-    return AttentionSite(node, query, buffers, read + ((mask_arg,) if mask else ()), length, int(shapes[0][2]),
-                         node.kwargs.get("scale"), mask)
+    return AttentionSite(
+        node,
+        query,
+        buffers,
+        read + ((mask_arg,) if mask else ()),
+        length,
+        int(shapes[0][2]),
+        node.kwargs.get("scale"),
+        mask,
+    )
 
 
 def _mask_view(node, static_names: set, placeholders: dict, length: tuple, q, size: int):
@@ -177,19 +197,33 @@ def _mask_view(node, static_names: set, placeholders: dict, length: tuple, q, si
     a per-step int plus a constant), or why it stays eager. The buffer: a parameter/buffer [rows,
     heads or 1, 1, the caches' length], bool or the query's dtype; the rows read are the query's
     batch (``[:B]``, or every row of a buffer of that many), or one row for all."""
-    why = ("its attn_mask is not mask[:B, :, :, :t + c] of a parameter/buffer [B or 1, heads or 1, 1, cache "
-           "length] read up to the keys' length (a mask built at each step stays eager)")
+    why = (
+        "its attn_mask is not mask[:B, :, :, :t + c] of a parameter/buffer [B or 1, heads or 1, 1, cache "
+        "length] read up to the keys' length (a mask built at each step stays eager)"
+    )
     sliced = _sliced_buffer(node, static_names, 4)
     if sliced is None:
         return why
     buffer, (rows, heads, queries, positions) = sliced
     value = facts.example_value(buffer)
-    if heads != slice(None) or queries != slice(None) or rows.start is not None or rows.step is not None \
-            or positions.start is not None or positions.step is not None \
-            or not isinstance(positions.stop, torch.fx.Node) or _length(positions.stop, placeholders) != length:
+    if (
+        heads != slice(None)
+        or queries != slice(None)
+        or rows.start is not None
+        or rows.step is not None
+        or positions.start is not None
+        or positions.step is not None
+        or not isinstance(positions.stop, torch.fx.Node)
+        or _length(positions.stop, placeholders) != length
+    ):
         return why
-    if value.dim() != 4 or value.shape[2] != 1 or value.shape[1] not in (1, q.shape[1]) or value.shape[3] != size \
-            or not (value.dtype == torch.bool or value.dtype == q.dtype):
+    if (
+        value.dim() != 4
+        or value.shape[2] != 1
+        or value.shape[1] not in (1, q.shape[1])
+        or value.shape[3] != size
+        or not (value.dtype == torch.bool or value.dtype == q.dtype)
+    ):
         return why
     broadcast = rows.stop is None and value.shape[0] == 1
     if not (broadcast or _same_size(value.shape[0] if rows.stop is None else rows.stop, q.shape[0])):
@@ -199,9 +233,12 @@ def _mask_view(node, static_names: set, placeholders: dict, length: tuple, q, si
 
 def _taken(name: str, value) -> bool:
     """Is this SDPA keyword one the graph-safe kernel does too?"""
-    return (name == "is_causal" and value is False) or (name == "enable_gqa" and isinstance(value, bool)) \
-        or (name == "scale" and (value is None or isinstance(value, (int, float)))) \
-        or (name == "dropout_p" and isinstance(value, (int, float)) and value == 0)  # transformers passes 0.0
+    return (
+        (name == "is_causal" and value is False)
+        or (name == "enable_gqa" and isinstance(value, bool))
+        or (name == "scale" and (value is None or isinstance(value, (int, float))))
+        or (name == "dropout_p" and isinstance(value, (int, float)) and value == 0)
+    )  # transformers passes 0.0
 
 
 def classify_attention(graph: torch.fx.Graph, static_names: set, steps: frozenset) -> dict:
@@ -257,7 +294,10 @@ def _rewrite(site: AttentionSite, context) -> dict:
     return {attention: tuple((buffer, 0) for buffer in site.buffers) + mask}
 
 
-GRAPH_ATTENTION = Idiom("graph attention", lambda writes, attention: attention, find_attention_sites,
-                        lambda site, slots: slots.need(*site.length, 1, site.size,
-                                                       f"the attention over {site.buffers[0].name}"),
-                        _rewrite)
+GRAPH_ATTENTION = Idiom(
+    "graph attention",
+    lambda writes, attention: attention,
+    find_attention_sites,
+    lambda site, slots: slots.need(*site.length, 1, site.size, f"the attention over {site.buffers[0].name}"),
+    _rewrite,
+)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import operator
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.fx
@@ -34,7 +34,7 @@ class RewriteContext:
     scalars: torch.fx.Node  # the graph input the rewrite adds (``step_scalars.PLACEHOLDER``)
     slot_of: dict  # per-step placeholder -> its index in the step-scalar tensor
     fake_mode: object  # Dynamo's fake mode (new nodes get fake values)
-    shared: "SharedNodes"  # index tensors and lengths built once for every layer
+    shared: SharedNodes  # index tensors and lengths built once for every layer
     masked: bool  # KV writes honour the enable flag and the caller's rows (not a fixed-size graph)
 
 
@@ -70,7 +70,7 @@ def static_getitem(node, static_names) -> tuple[torch.fx.Node, tuple] | None:
     return buffer, index if isinstance(index, tuple) else (index,)
 
 
-def step_dims_bounds(site: "Site", slots, what: str) -> None:
+def step_dims_bounds(site: Site, slots, what: str) -> None:
     """A site's per-step dims stay inside its buffer (``pos + n <= size``); with ``prefix``,
     a prefix that stops at a graph value too."""
     shape = facts.example_value(site.buffer).shape
@@ -115,8 +115,12 @@ def slice_dims(buffer_value: torch.Tensor, value, index, steps: frozenset, place
     """The indexed dims of ``buffer[index]`` (read as ``value``, or written from it) in our supported
     form: exactly one dim starts at a per-step input and is as long as ``value``; or None."""
     index = index if isinstance(index, tuple) else (index,)
-    if not index or len(index) > buffer_value.dim() or not isinstance(value, torch.Tensor) \
-            or value.dim() != buffer_value.dim():
+    if (
+        not index
+        or len(index) > buffer_value.dim()
+        or not isinstance(value, torch.Tensor)
+        or value.dim() != buffer_value.dim()
+    ):
         return None
     dims, step_dims = [], 0
     for d, s in enumerate(index):
@@ -160,8 +164,10 @@ class SharedNodes:
 
 def _key(op: str, target, args: tuple, kwargs: dict):
     """A hashable key of a node to build, or None (a symbolic size: SymInts do not hash)."""
+
     def frozen(a):
         return tuple(map(frozen, a)) if isinstance(a, (list, tuple)) else a
+
     key = (op, target, frozen(args), tuple(sorted(kwargs.items())))
     try:
         hash(key)
@@ -209,8 +215,11 @@ def indices(site: Site, scalars: torch.fx.Node, slot_of: dict, add: Builder, mas
     mask of those a write may change: enabled, and within the caller's rows."""
     buffer_value = facts.example_value(site.buffer)
     device, ndim = buffer_value.device, buffer_value.dim()
-    mask = add.once("call_function", operator.ne, add.once("call_function", operator.getitem, scalars, ENABLE), 0) \
-        if masked else None
+    mask = (
+        add.once("call_function", operator.ne, add.once("call_function", operator.getitem, scalars, ENABLE), 0)
+        if masked
+        else None
+    )
     out, last = [], len(site.dims) - 1
     for d, dim in enumerate(site.dims):
         shape = [1] * (last + 1)

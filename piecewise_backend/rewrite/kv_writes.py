@@ -54,15 +54,18 @@ from ..fx import graph_facts as facts
 from .graph_edit import Builder, Dim, Idiom, SharedNodes, Site, indices, slice_dim, slice_dims, step_dims_bounds
 
 
-def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset,
-                     placeholders: dict):
+def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, steps: frozenset, placeholders: dict):
     """The indexed dims of ``buffer[slices].index_copy_(dim, index, value)`` in our form, or None."""
     if len(args) != 4 or not isinstance(args[1], int) or not isinstance(args[2], torch.fx.Node):
         return None
     buffer_value, value = facts.example_value(buffer), facts.example_value(args[3])
     index = facts.example_value(args[2])
-    if not isinstance(value, torch.Tensor) or value.dim() != buffer_value.dim() \
-            or not isinstance(index, torch.Tensor) or index.dim() != 1:
+    if (
+        not isinstance(value, torch.Tensor)
+        or value.dim() != buffer_value.dim()
+        or not isinstance(index, torch.Tensor)
+        or index.dim() != 1
+    ):
         return None
     if view is buffer:
         slices = ()
@@ -79,8 +82,9 @@ def _index_copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, args: tuple, st
     return tuple(dims)
 
 
-def _write_dims(node: torch.fx.Node, written: torch.fx.Node, buffer: torch.fx.Node, steps: frozenset,
-                placeholders: dict):
+def _write_dims(
+    node: torch.fx.Node, written: torch.fx.Node, buffer: torch.fx.Node, steps: frozenset, placeholders: dict
+):
     """(dims, value) of a write in one of our forms, else (None, None)."""
     if node.op == "call_function" and node.target is operator.setitem and written is buffer:
         _, index, value = node.args
@@ -101,8 +105,12 @@ def _shape(value: torch.Tensor) -> list:
 def _copy_dims(view: torch.fx.Node, buffer: torch.fx.Node, value, steps: frozenset, placeholders: dict):
     """The indexed dims of ``buffer[index].copy_(value)`` in our form, or None. ``copy_`` broadcasts,
     so the view must have exactly the value's shape (a write as long as the value)."""
-    if not (isinstance(value, torch.fx.Node) and view.op == "call_function" and view.target is operator.getitem
-            and view.args[0] is buffer):
+    if not (
+        isinstance(value, torch.fx.Node)
+        and view.op == "call_function"
+        and view.target is operator.getitem
+        and view.args[0] is buffer
+    ):
         return None
     view_value, value_value = facts.example_value(view), facts.example_value(value)
     if not isinstance(value_value, torch.Tensor) or _shape(view_value) != _shape(value_value):
@@ -138,8 +146,9 @@ def kv_written_inputs(graph: torch.fx.Graph, steps: frozenset) -> frozenset[str]
     return frozenset(site.buffer.name for site in find_kv_writes(graph, placeholders, steps))
 
 
-def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes,
-                     masked: bool = True) -> dict:
+def rewrite_kv_write(
+    site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes, masked: bool = True
+) -> dict:
     """Rewrite one write (its index tensors reused from ``shared``); returns the nodes that read or
     write the buffer (the masked form's gather and put, the unmasked form's put), each with the
     (buffer, dim) pairs it reads or writes by batch row (its prefix dims that stop at a graph value:
@@ -148,8 +157,11 @@ def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mod
     graph = site.node.graph
     buffer_value = facts.example_value(site.buffer)
     value = site.value
-    rows = tuple((site.buffer, d) for d, dim in enumerate(site.dims)
-                 if dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node))
+    rows = tuple(
+        (site.buffer, d)
+        for d, dim in enumerate(site.dims)
+        if dim[0] == Dim.PREFIX and isinstance(dim[1], torch.fx.Node)
+    )
     add = Builder(graph, site.node, fake_mode, shared)
     where, mask = indices(site, scalars, slot_of, add, masked=masked or bool(rows))
     if facts.example_value(value).dtype != buffer_value.dtype:
@@ -167,6 +179,10 @@ def rewrite_kv_write(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mod
     return {**reads, put: rows}
 
 
-KV_WRITES = Idiom("KV writes", lambda writes, attention: writes, find_kv_writes,
-                  lambda site, slots: step_dims_bounds(site, slots, "the write into"),
-                  lambda site, c: rewrite_kv_write(site, c.scalars, c.slot_of, c.fake_mode, c.shared, c.masked))
+KV_WRITES = Idiom(
+    "KV writes",
+    lambda writes, attention: writes,
+    find_kv_writes,
+    lambda site, slots: step_dims_bounds(site, slots, "the write into"),
+    lambda site, c: rewrite_kv_write(site, c.scalars, c.slot_of, c.fake_mode, c.shared, c.masked),
+)

@@ -19,7 +19,6 @@ left alone.
 
 from __future__ import annotations
 
-
 import torch
 import torch.fx
 
@@ -31,8 +30,12 @@ _READERS = frozenset({SDPA})
 
 
 def _from_zero(s) -> bool:
-    return isinstance(s, slice) and s.start in (None, 0) and s.step in (None, 1) \
+    return (
+        isinstance(s, slice)
+        and s.start in (None, 0)
+        and s.step in (None, 1)
         and (s.stop is None or isinstance(s.stop, torch.fx.Node) or (isinstance(s.stop, int) and s.stop >= 0))
+    )
 
 
 def _stops_supported(index: tuple, steps: frozenset) -> bool:
@@ -40,8 +43,9 @@ def _stops_supported(index: tuple, steps: frozenset) -> bool:
     cost nothing per step, inside its graph, and are left to Inductor); other graph-value stops
     only on dim 0."""
     nodes = [(d, s.stop) for d, s in enumerate(index) if isinstance(s.stop, torch.fx.Node)]
-    return any(facts.is_per_step(stop, steps) for _, stop in nodes) and \
-        all(facts.is_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes)
+    return any(facts.is_per_step(stop, steps) for _, stop in nodes) and all(
+        facts.is_per_step(stop, steps) or (d == 0 and stop.op == "placeholder") for d, stop in nodes
+    )
 
 
 def find_prefix_views(graph: torch.fx.Graph, static_names: set[str], steps: frozenset) -> list[torch.fx.Node]:
@@ -52,8 +56,13 @@ def find_prefix_views(graph: torch.fx.Graph, static_names: set[str], steps: froz
             continue
         buffer, index = sliced
         value = facts.example_value(buffer)
-        if not (isinstance(value, torch.Tensor) and value.is_contiguous() and 0 < len(index) <= value.dim() and all(map(_from_zero, index))
-                and _stops_supported(index, steps)):
+        if not (
+            isinstance(value, torch.Tensor)
+            and value.is_contiguous()
+            and 0 < len(index) <= value.dim()
+            and all(map(_from_zero, index))
+            and _stops_supported(index, steps)
+        ):
             continue
         if all(u.op == "call_function" and canonical_op_name(u.target) in _READERS for u in node.users):
             views.append(node)

@@ -28,8 +28,12 @@ def repeated_heads(node) -> tuple[torch.fx.Node, int, tuple] | None:
 
 
 def _repeat_interleave(node: torch.fx.Node):
-    if not (node.op == "call_method" and node.target == "repeat_interleave"
-            or node.op == "call_function" and node.target is torch.repeat_interleave):
+    if not (
+        node.op == "call_method"
+        and node.target == "repeat_interleave"
+        or node.op == "call_function"
+        and node.target is torch.repeat_interleave
+    ):
         return None
     args = list(node.args) + [None] * 3
     inner, repeats = args[0], node.kwargs.get("repeats", args[1])

@@ -39,8 +39,7 @@ def find_reads(graph: torch.fx.Graph, static_names: set[str], steps: frozenset) 
     return sites
 
 
-def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes
-                 ) -> None:
+def rewrite_read(site: Site, scalars: torch.fx.Node, slot_of: dict, fake_mode, shared: SharedNodes) -> None:
     add = Builder(site.node.graph, site.node, fake_mode, shared)
     where, _ = indices(site, scalars, slot_of, add, masked=False)
     site.node.replace_all_uses_with(add("call_function", operator.getitem, site.buffer, where))
@@ -52,5 +51,10 @@ def _rewrite(site: Site, context) -> dict:
     return {}
 
 
-ROPE_READS = Idiom("RoPE reads", lambda writes, attention: writes or attention, find_reads,
-                   lambda site, slots: step_dims_bounds(site, slots, "the read of"), _rewrite)
+ROPE_READS = Idiom(
+    "RoPE reads",
+    lambda writes, attention: writes or attention,
+    find_reads,
+    lambda site, slots: step_dims_bounds(site, slots, "the read of"),
+    _rewrite,
+)

@@ -31,8 +31,12 @@ class RangeSite:
 
 def _length(start: torch.fx.Node, end) -> int | None:
     """``c`` when ``end`` is ``start + c``."""
-    if isinstance(end, torch.fx.Node) and end.op == "call_function" and end.target is operator.add \
-            and len(end.args) == 2:
+    if (
+        isinstance(end, torch.fx.Node)
+        and end.op == "call_function"
+        and end.target is operator.add
+        and len(end.args) == 2
+    ):
         a, b = end.args
         if a is start and isinstance(b, int):
             return b
@@ -70,7 +74,10 @@ def _rewrite(site: RangeSite, context) -> dict:
     return {}
 
 
-STEP_RANGES = Idiom("step ranges", lambda writes, attention: writes or attention,
-                    lambda graph, static_names, steps: find_step_ranges(graph, steps),
-                    lambda site, slots: slots.need(site.start, 0, *UNBOUNDED, f"the range from {site.start.name}"),
-                    _rewrite)
+STEP_RANGES = Idiom(
+    "step ranges",
+    lambda writes, attention: writes or attention,
+    lambda graph, static_names, steps: find_step_ranges(graph, steps),
+    lambda site, slots: slots.need(site.start, 0, *UNBOUNDED, f"the range from {site.start.name}"),
+    _rewrite,
+)

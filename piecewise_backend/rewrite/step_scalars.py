@@ -34,7 +34,8 @@ import torch
 import torch.fx
 
 from ..fx import graph_facts as facts
-from ..kinds import STEP_SCALARS_ENABLE as ENABLE, Slot
+from ..kinds import STEP_SCALARS_ENABLE as ENABLE
+from ..kinds import Slot
 
 PLACEHOLDER = "piecewise_step_scalars"  # the graph input the rewrites add, after Dynamo's own
 __all__ = ["ENABLE", "PLACEHOLDER", "Slot", "Slots", "example_tensor"]
@@ -54,8 +55,9 @@ class Slots:
         if node in self.index:
             j = self.index[node] - 1
             old = self.slots[j]
-            self.slots[j] = dataclasses.replace(old, low=max(old.low, low), high=min(old.high, high),
-                                                what=old.what if old.high <= high else what)
+            self.slots[j] = dataclasses.replace(
+                old, low=max(old.low, low), high=min(old.high, high), what=old.what if old.high <= high else what
+            )
         else:
             self.slots.append(Slot(self.position[node], node.name, low, high, what))
             self.index[node] = len(self.slots)

@@ -43,8 +43,16 @@ def _load_cudart():
             lib = ctypes.CDLL(name)
         except OSError:
             continue
-        for fn in ("cudaStreamBeginCapture", "cudaStreamEndCapture", "cudaGraphInstantiateWithFlags", "cudaGraphLaunch",
-                   "cudaGraphExecDestroy", "cudaGraphDestroy", "cudaGetErrorString", "cudaGetLastError"):
+        for fn in (
+            "cudaStreamBeginCapture",
+            "cudaStreamEndCapture",
+            "cudaGraphInstantiateWithFlags",
+            "cudaGraphLaunch",
+            "cudaGraphExecDestroy",
+            "cudaGraphDestroy",
+            "cudaGetErrorString",
+            "cudaGetLastError",
+        ):
             getattr(lib, fn).restype = ctypes.c_char_p if fn == "cudaGetErrorString" else ctypes.c_int
         return lib
     return f"no libcudart.so.{major} found (looked in {site}/nvidia and the loader's path)"
@@ -102,9 +110,12 @@ class RawGraph:
         finally:
             torch._C._cuda_endAllocateToPool(self.device_index, self.pool)
         try:
-            self._check(self._rt.cudaGraphInstantiateWithFlags(ctypes.byref(self._exec), self._graph,
-                                                               ctypes.c_ulonglong(_INSTANTIATE_FLAGS)),
-                        "cudaGraphInstantiateWithFlags")
+            self._check(
+                self._rt.cudaGraphInstantiateWithFlags(
+                    ctypes.byref(self._exec), self._graph, ctypes.c_ulonglong(_INSTANTIATE_FLAGS)
+                ),
+                "cudaGraphInstantiateWithFlags",
+            )
         finally:  # the executable graph is all a replay needs (CUDAGraph drops its graph the same way)
             self._rt.cudaGraphDestroy(self._graph)
             self._graph = ctypes.c_void_p()

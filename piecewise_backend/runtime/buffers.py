@@ -9,7 +9,7 @@ that memory.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -64,8 +64,9 @@ class InputArenas:
         self._all.clear()
 
 
-def owned_copy(arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None,
-               arenas: InputArenas, index: int) -> torch.Tensor:
+def owned_copy(
+    arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None, arenas: InputArenas, index: int
+) -> torch.Tensor:
     """A buffer holding ``arg`` (in its first rows along ``dim`` when padded to ``size``), from
     ``arenas`` (input ``index``).
 
@@ -105,4 +106,5 @@ def written_snapshot(args, indices) -> Callable[[], None] | None:
     def restore() -> None:
         for tensor, copy in saved:
             tensor.copy_(copy)
+
     return restore

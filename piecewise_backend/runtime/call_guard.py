@@ -40,7 +40,7 @@ class CallGuard:
         self._last_raw: int | None = None  # the previous guarded call's stream, as CUDA's handle
         self._last_stream = None
 
-    def __enter__(self) -> "CallGuard":
+    def __enter__(self) -> CallGuard:
         self.lock.acquire()
         if self._cuda:
             try:
@@ -74,6 +74,7 @@ def call_guard(device: torch.device) -> CallGuard:
     guard = _GUARDS.get(key)
     if guard is None:
         with _GUARDS_LOCK:
-            guard = _GUARDS.setdefault(key, CallGuard(torch.device(device.type, index) if index is not None
-                                                      else torch.device(device.type)))
+            guard = _GUARDS.setdefault(
+                key, CallGuard(torch.device(device.type, index) if index is not None else torch.device(device.type))
+            )
     return guard

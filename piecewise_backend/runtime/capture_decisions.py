@@ -28,15 +28,15 @@ After a capture, :meth:`CaptureDecisions.recorded` updates what the next calls a
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from ..kinds import CaptureHow, GraphMode, Miss
 from . import messages
 from .capture_policy import CapturePolicy, Route
 from .capture_traffic import CaptureTraffic
-from .symbolic import row_limit
 from .distributed import RankAgreement, agreed_refusal
 from .stats import CaptureEvent, GraphStats
+from .symbolic import row_limit
 from .weight_sets import WeightSet, WeightSets
 
 log = logging.getLogger(__name__)  # under the "piecewise_backend" logger
@@ -63,10 +63,15 @@ class CaptureDecisions:
         # ranks that must decide captures together (distributed.py), from the groups the plan names
         self.agreement = RankAgreement(list(plan.collective_groups)) if plan.collective_groups else None
         full_refusal = None if plan.full.padding is not None else plan.full.padding_note
-        self.policy = CapturePolicy(settings, plan.key.pad_position, plan.padding.refusal, self.agreement,
-                                    row_limit(plan.padding.capacities, plan.key.symbols),
-                                    tuple(map(str, plan.key.symbols)),
-                                    (full_refusal, row_limit(plan.full.capacities, plan.key.symbols)))
+        self.policy = CapturePolicy(
+            settings,
+            plan.key.pad_position,
+            plan.padding.refusal,
+            self.agreement,
+            row_limit(plan.padding.capacities, plan.key.symbols),
+            tuple(map(str, plan.key.symbols)),
+            (full_refusal, row_limit(plan.full.capacities, plan.key.symbols)),
+        )
         self.full_refusal = plan.full.refusal
         self.weights = WeightSets(plan.inputs.weight_indices, settings.max_weight_sets)
         self.active = WeightSet(0)  # until the first call's addresses make one (weights_ready)
@@ -106,8 +111,10 @@ class CaptureDecisions:
         weight_set = self.weights.find(addresses)
         detail = None
         if weight_set is None:
-            detail = (f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
-                      f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}")
+            detail = (
+                f"parameters/buffers (or inputs it writes in place) at a new set of addresses ({moved}); "
+                f"{len(self.weights)} sets have graphs, max_weight_sets={self.weights.limit}"
+            )
         if self.agreement is not None:
             detail = agreed_refusal(self.agreement, detail, messages.WEIGHTS_BOUND_ELSEWHERE)
         serial = self.stats.serial
@@ -118,8 +125,9 @@ class CaptureDecisions:
         if self.agreement is not None:
             weight_set.release()
         if weight_set.number > 1:
-            self.warnings.once("weights moved",
-                               messages.weights_moved(serial, moved, weight_set.number, self.weights.limit))
+            self.warnings.once(
+                "weights moved", messages.weights_moved(serial, moved, weight_set.number, self.weights.limit)
+            )
         self.stats.weight_sets = max(self.stats.weight_sets, weight_set.number)
         self.stats.weight_sets_replaced = self.weights.replaced
         self.weights.activate(addresses, weight_set)
@@ -189,14 +197,19 @@ class CaptureDecisions:
         if not sizes or self._pad is None:
             return ()
         if up_front.writes_unmasked:
-            self.warnings.once("eager sizes", f"piecewise: graph {serial}: eager_capture_sizes ignored: "
-                                              f"{up_front.no_up_front_capture()}")
+            self.warnings.once(
+                "eager sizes",
+                f"piecewise: graph {serial}: eager_capture_sizes ignored: {up_front.no_up_front_capture()}",
+            )
             return ()
         rows = up_front.row_limit()
         if rows is not None and any(s > rows for s in sizes):
-            self.warnings.once("eager rows", f"piecewise: graph {serial}: eager_capture_sizes above {rows} are "
-                                             f"not captured: the graph reads or writes tensors of {rows} rows by "
-                                             f"batch row (a KV cache's batch dim).")
+            self.warnings.once(
+                "eager rows",
+                f"piecewise: graph {serial}: eager_capture_sizes above {rows} are "
+                f"not captured: the graph reads or writes tensors of {rows} rows by "
+                f"batch row (a KV cache's batch dim).",
+            )
             sizes = tuple(s for s in sizes if s <= rows)
         return sizes
 
@@ -204,8 +217,10 @@ class CaptureDecisions:
         """May ``key`` be captured up front now (``capture()``)? The budget's answer, as a route."""
         route = self.policy.admit(key, self.active.captured, self.memory)
         if not route.capture:
-            self.warnings.once(Miss.OVER_BUDGET, f"piecewise: graph {self.stats.serial}: stopped capturing at "
-                                                 f"shape key {key}: {route.detail}.")
+            self.warnings.once(
+                Miss.OVER_BUDGET,
+                f"piecewise: graph {self.stats.serial}: stopped capturing at shape key {key}: {route.detail}.",
+            )
         return route
 
     def _full_route(self, key: tuple) -> Route:
@@ -213,8 +228,9 @@ class CaptureDecisions:
         state = self.active.full
         route = state.routes.get(key)
         if route is None:
-            route = self.policy.full_route(key, state.graphs, state.failed, self.memory, state.unreplayed,
-                                           self.full_refusal)
+            route = self.policy.full_route(
+                key, state.graphs, state.failed, self.memory, state.unreplayed, self.full_refusal
+            )
             if route.key is not None and not route.capture:
                 state.unreplayed.discard(route.key)  # a captured key's first replay is routed here
             if not route.capture and route.waiting is None:
@@ -227,13 +243,19 @@ class CaptureDecisions:
         """Count the call's key; a key refused by ``max_captured_sizes`` that keeps coming replaces
         the least used captured key (``capture_traffic.py``), every rank agreeing."""
         decide, victim = self._traffic.replacement(route, self.active.captured, self.policy, self.memory)
-        if not decide or agreed_refusal(self.agreement, None if victim is not None else "keeps its graphs",
-                                        "another rank keeps them"):
+        if not decide or agreed_refusal(
+            self.agreement, None if victim is not None else "keeps its graphs", "another rank keeps them"
+        ):
             return route
         self._drop(victim)
         self.stats.replaced_keys.append(victim)
-        log.info("piecewise: graph %d: shape key %s replaces %s (%s)", self.stats.serial, route.wanted, victim,
-                 self._traffic.describe(route.wanted, victim))
+        log.info(
+            "piecewise: graph %d: shape key %s replaces %s (%s)",
+            self.stats.serial,
+            route.wanted,
+            victim,
+            self._traffic.describe(route.wanted, victim),
+        )
         return self._new_route(key, args, up_front)
 
     def _drop(self, captured_key: tuple) -> None:
@@ -241,8 +263,11 @@ class CaptureDecisions:
 
     def _warn_refused(self, key: tuple, route: Route) -> None:
         self.stats.miss_details[route.miss] = route.detail
-        instead = (f"Those calls replay the graph of {route.key}, padded" if route.key is not None
-                   else "Those calls run un-graphed")
+        instead = (
+            f"Those calls replay the graph of {route.key}, padded"
+            if route.key is not None
+            else "Those calls run un-graphed"
+        )
         if route.miss == Miss.OVER_BUDGET:
             self.warnings.once(route.miss, messages.over_budget(self.stats.serial, key, route.detail, instead))
         elif route.miss == Miss.NEVER_REPLAYED:
@@ -250,8 +275,16 @@ class CaptureDecisions:
 
     # -- after a capture ------------------------------------------------------------------------------
 
-    def recorded(self, key: tuple, how: CaptureHow, seconds: float, before: int, mode: GraphMode,
-                 failed: bool = False, pieces: int = 1) -> None:
+    def recorded(
+        self,
+        key: tuple,
+        how: CaptureHow,
+        seconds: float,
+        before: int,
+        mode: GraphMode,
+        failed: bool = False,
+        pieces: int = 1,
+    ) -> None:
         """A capture of ``key`` ended (``failed``: some piece of it failed): what the next calls are
         decided from, the budget's measure, the event and the log line."""
         after = self.memory()
@@ -270,14 +303,24 @@ class CaptureDecisions:
             active.full.routes.clear()  # misses may now be served (a larger graph to ride)
         self.policy.budget.record(key[self._pad] if self._pad is not None else None, after - before)
         self.stats.events.append(CaptureEvent(key, how, seconds, after, after - before, pieces, self.stats.calls, mode))
-        log.info("piecewise: graph %d: captured shape key %s (%s, %s) in %.0f ms; graph pool %.1f MiB (+%.1f MiB)",
-                 self.stats.serial, key, how, "whole call" if mode is GraphMode.FULL else f"{pieces} pieces",
-                 seconds * 1e3, after / 2**20, (after - before) / 2**20)
+        log.info(
+            "piecewise: graph %d: captured shape key %s (%s, %s) in %.0f ms; graph pool %.1f MiB (+%.1f MiB)",
+            self.stats.serial,
+            key,
+            how,
+            "whole call" if mode is GraphMode.FULL else f"{pieces} pieces",
+            seconds * 1e3,
+            after / 2**20,
+            (after - before) / 2**20,
+        )
         cap = self.settings.max_graph_memory
         if cap is not None and after > cap:
-            self.warnings.once("over cap", f"piecewise: graph {self.stats.serial}: graph memory holds "
-                                           f"{after / 2**20:.1f} MiB after capturing {key}, above max_graph_memory="
-                                           f"{cap / 2**20:.1f} MiB; no further captures.")
+            self.warnings.once(
+                "over cap",
+                f"piecewise: graph {self.stats.serial}: graph memory holds "
+                f"{after / 2**20:.1f} MiB after capturing {key}, above max_graph_memory="
+                f"{cap / 2**20:.1f} MiB; no further captures.",
+            )
 
     def full_failed(self, key: tuple, message: str) -> None:
         """A full capture of ``key`` failed: that size runs piecewise from now on."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 from ..kinds import Miss
 from ..plan.types import RuntimeSettings
@@ -73,9 +73,13 @@ class SizeRule:
     deferral: CaptureDeferral | None
 
     @classmethod
-    def of(cls, config: RuntimeSettings, no_padding_reason: str | None, row_limit) -> "SizeRule":
-        return cls(config.padding and no_padding_reason is None, config.padding and no_padding_reason is not None,
-                   row_limit, CaptureDeferral() if config.defer_captures else None)
+    def of(cls, config: RuntimeSettings, no_padding_reason: str | None, row_limit) -> SizeRule:
+        return cls(
+            config.padding and no_padding_reason is None,
+            config.padding and no_padding_reason is not None,
+            row_limit,
+            CaptureDeferral() if config.defer_captures else None,
+        )
 
 
 def _mib(n: float) -> str:
@@ -111,8 +115,10 @@ class CaptureBudget:
         if self.max_bytes is not None:
             estimate = self.bytes_per_row * (size or 1)
             if pool_bytes + estimate > self.max_bytes:
-                return (f"graph memory (pool and input buffers) holds {_mib(pool_bytes)}, a capture of size "
-                        f"{size} adds about {_mib(estimate)}, max_graph_memory={_mib(self.max_bytes)}")
+                return (
+                    f"graph memory (pool and input buffers) holds {_mib(pool_bytes)}, a capture of size "
+                    f"{size} adds about {_mib(estimate)}, max_graph_memory={_mib(self.max_bytes)}"
+                )
         return None
 
     def record(self, size: int | None, growth: int) -> None:
@@ -140,9 +146,16 @@ class CapturePolicy:
         full_padding: (why full graphs cannot be padded or None, their ``row_limit``).
     """
 
-    def __init__(self, config: RuntimeSettings, pad_position: int | None, no_padding_reason: str | None,
-                 agreement: RankAgreement | None = None, row_limit=None, symbols: tuple = (),
-                 full_padding: tuple = (None, None)):
+    def __init__(
+        self,
+        config: RuntimeSettings,
+        pad_position: int | None,
+        no_padding_reason: str | None,
+        agreement: RankAgreement | None = None,
+        row_limit=None,
+        symbols: tuple = (),
+        full_padding: tuple = (None, None),
+    ):
         self.sizes = config.sizes
         self.max_unreplayed = config.max_unreplayed_captures
         self.symbols = symbols  # the name of each shape-key position, for people
@@ -169,7 +182,7 @@ class CapturePolicy:
 
     def with_size(self, key: tuple, size: int) -> tuple:
         p = self.pad_position
-        return key[:p] + (size,) + key[p + 1:]
+        return key[:p] + (size,) + key[p + 1 :]
 
     def route(self, key: tuple, captured, pool_bytes, unreplayed: set = frozenset(), full: bool = False) -> Route:
         """The route for ``key`` given the keys already ``captured`` (``unreplayed``: those captured
@@ -202,7 +215,9 @@ class CapturePolicy:
         bucket = self.bucket(size, rows, rule)
         if bucket is None:
             if size > self.sizes[-1]:
-                return Route(None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}")
+                return Route(
+                    None, size, miss=Miss.ABOVE_MAX, detail=f"size {size} > largest capture size {self.sizes[-1]}"
+                )
             # reached only with padding=False: a graph whose padding the proof refused has exact sizes
             return Route(None, size, miss=Miss.NOT_A_CAPTURE_SIZE, detail=f"size {size}: padding=False in options")
         bucket_key = self.with_size(key, bucket)
@@ -226,7 +241,7 @@ class CapturePolicy:
         """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""
         if not rule.padding:
             return None
-        for larger in self.sizes[bisect.bisect_right(self.sizes, bucket):]:
+        for larger in self.sizes[bisect.bisect_right(self.sizes, bucket) :]:
             if rows is not None and larger > rows:
                 return None
             larger_key = self.with_size(key, larger)
@@ -234,21 +249,27 @@ class CapturePolicy:
                 return larger_key
         return None
 
-    def admit(self, key: tuple, captured: set, pool_bytes, size: int | None = None,
-              unreplayed: set = frozenset()) -> Route:
+    def admit(
+        self, key: tuple, captured: set, pool_bytes, size: int | None = None, unreplayed: set = frozenset()
+    ) -> Route:
         """Route to capture ``key`` (for a caller's ``size``, default the key's own), budget allowing
         and unless too many shapes captured before were never replayed (:meth:`churn`)."""
         bucket = key[self.pad_position] if self.pad_position is not None else None
         size = bucket if size is None else size
         churn = self.churn(key, unreplayed)
-        refusal = churn or self.budget.refusal(bucket, len(captured),
-                                               pool_bytes() if self.budget.needs_pool_bytes else 0)
-        refusal = agreed_refusal(self.agreement, refusal,
-                                 "another rank of this graph's collective group is over its capture budget; "
-                                 "every rank skips this size so their collectives stay paired")
+        refusal = churn or self.budget.refusal(
+            bucket, len(captured), pool_bytes() if self.budget.needs_pool_bytes else 0
+        )
+        refusal = agreed_refusal(
+            self.agreement,
+            refusal,
+            "another rank of this graph's collective group is over its capture budget; "
+            "every rank skips this size so their collectives stay paired",
+        )
         if refusal:
-            return Route(None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal,
-                        wanted=key)
+            return Route(
+                None, size, miss=Miss.NEVER_REPLAYED if churn else Miss.OVER_BUDGET, detail=refusal, wanted=key
+            )
         return Route(key, size, padded=bucket != size, capture=True)
 
     def churn(self, key: tuple, unreplayed: set) -> str | None:
@@ -258,10 +279,15 @@ class CapturePolicy:
         if self.max_unreplayed is None or len(self._unbounded(unreplayed)) < self.max_unreplayed:
             return None
         keys = sorted(unreplayed | {key})
-        varying = [f"{name} ({', '.join(str(k[i]) for k in keys[:4])}{', ...' if len(keys) > 4 else ''})"
-                   for i, name in enumerate(self.symbols) if len({k[i] for k in keys}) > 1]
-        return (f"{len(unreplayed)} shapes captured were never replayed, max_unreplayed_captures="
-                f"{self.max_unreplayed}; the sizes that keep changing: {'; '.join(varying) or 'none named'}")
+        varying = [
+            f"{name} ({', '.join(str(k[i]) for k in keys[:4])}{', ...' if len(keys) > 4 else ''})"
+            for i, name in enumerate(self.symbols)
+            if len({k[i] for k in keys}) > 1
+        ]
+        return (
+            f"{len(unreplayed)} shapes captured were never replayed, max_unreplayed_captures="
+            f"{self.max_unreplayed}; the sizes that keep changing: {'; '.join(varying) or 'none named'}"
+        )
 
     def _unbounded(self, unreplayed: set) -> set:
         """The keys that count towards :meth:`churn`: with padding, keys that differ only in the
@@ -270,4 +296,4 @@ class CapturePolicy:
         p = self.pad_position
         if not self.pieces.padding or p is None:
             return unreplayed
-        return {k[:p] + k[p + 1:] for k in unreplayed}
+        return {k[:p] + k[p + 1 :] for k in unreplayed}

@@ -29,6 +29,7 @@ def _checked(compiled, traced, specs, guards: list):
     def run(*args):
         values = symbol_values(specs, args)
         return compiled(*args) if all(_holds(g, values) for g in own) else traced(*args)
+
     return run
 
 
@@ -69,5 +70,10 @@ class CodeSwitch:
             stats.behind_timeline = {**delivery.get("timeline", {}), "switched": time.time()}
             stats.inductor_compiles += delivery["compiles"]
             stats.inductor_seconds += delivery["seconds"]
-        log.info("piecewise: graph %d: switched to Inductor's code (compiled behind in %.1f s); %d shape keys "
-                 "released, captured again as they come", graph.serial, delivery["seconds"], released)
+        log.info(
+            "piecewise: graph %d: switched to Inductor's code (compiled behind in %.1f s); %d shape keys "
+            "released, captured again as they come",
+            graph.serial,
+            delivery["seconds"],
+            released,
+        )

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -61,8 +62,9 @@ class CompiledGraph:
         self.decisions = CaptureDecisions(plan, self.stats, self.memory_bytes_reader(), self.warnings)
         self.runners = self._wrap_pieces(compiled)
         self.up_front = UpFrontCapture(self)
-        self.forward_split = one_piece_forward(self.split_module) or \
-            _torch_internals.generated_forward(self.split_module)
+        self.forward_split = one_piece_forward(self.split_module) or _torch_internals.generated_forward(
+            self.split_module
+        )
         # the positions written per call: a tensor of this graph's own, from the plan's layout
         self.step_scalars = StepScalars(plan.step_scalars) if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
@@ -70,8 +72,11 @@ class CompiledGraph:
         self._any_requires_grad = plan.inputs.any_requires_grad
         self._shape_key = plan.key.of
         self._pad = plan.key.pad_position
-        self._sdpa_backends = SdpaBackends(dict(plan.sdpa_choice.enabled), plan.sdpa_choice.reason) \
-            if plan.sdpa_choice is not None else None
+        self._sdpa_backends = (
+            SdpaBackends(dict(plan.sdpa_choice.enabled), plan.sdpa_choice.reason)
+            if plan.sdpa_choice is not None
+            else None
+        )
         self.call_guard = self._guard = call_guard(plan.device)
         self.code_switch = CodeSwitch()  # code compiled while this graph serves (compiler="eager_then_inductor")
 
@@ -85,9 +90,16 @@ class CompiledGraph:
             if spec.kind == PieceKind.COMPUTE:
                 self.stats.pieces[spec.name] = PieceStats(spec.name)
                 code = PieceCode(compiled.get(spec.name), self.plan.program.piece(spec.name))
-                runners[spec.name] = PieceRunner(self.plan.pieces[spec.name], code, self.step, self.stats.pieces[spec.name],
-                                                 settings.warmup_runs, settings.clone_outputs,
-                                                 self.decisions.agreement, self.plan.device)
+                runners[spec.name] = PieceRunner(
+                    self.plan.pieces[spec.name],
+                    code,
+                    self.step,
+                    self.stats.pieces[spec.name],
+                    settings.warmup_runs,
+                    settings.clone_outputs,
+                    self.decisions.agreement,
+                    self.plan.device,
+                )
                 split_gm.__dict__[spec.name] = runners[spec.name]
             else:
                 split_gm.__dict__[spec.name] = getattr(split_gm, spec.name).forward
@@ -178,8 +190,12 @@ class CompiledGraph:
         self.step.replay(route.key, route.size, route.padded)
         self.stats.graph_calls[(GraphMode.PIECEWISE, route.key[self._pad] if self._pad is not None else None)] += 1
         if route.capture:
-            return self.capturing_step(route.key, CaptureHow.LAZY, dict(zip(self.plan.key.symbols, route.key)),
-                                       lambda: self.forward_split(*args))
+            return self.capturing_step(
+                route.key,
+                CaptureHow.LAZY,
+                dict(zip(self.plan.key.symbols, route.key)),
+                lambda: self.forward_split(*args),
+            )
         return self.forward_split(*args)
 
     def _ungraphed(self, args: tuple):
@@ -211,9 +227,12 @@ class CompiledGraph:
     def _grad_allows_graphs(self) -> bool:
         if not (self._any_requires_grad and torch.is_grad_enabled()):
             return True
-        self.warn_once("grad", "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
-                               "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
-                               "torch.inference_mode() to get graphs.")
+        self.warn_once(
+            "grad",
+            "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
+            "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
+            "torch.inference_mode() to get graphs.",
+        )
         return False
 
     # -- graph memory ---------------------------------------------------------------------------------

@@ -36,7 +36,8 @@ the pool and for good (about 1 GB for one size of a 16-layer model on the H200 w
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -88,8 +89,14 @@ class DeviceGraphs:
                 self._pool = (handle, keeper)
         return self._pool[0]
 
-    def record(self, fn: Callable[[], Any], warmup_runs: int = 0, after_warmup: Callable[[], None] | None = None,
-                draws_random: bool = False, args: tuple = ()) -> tuple[Any, Any]:
+    def record(
+        self,
+        fn: Callable[[], Any],
+        warmup_runs: int = 0,
+        after_warmup: Callable[[], None] | None = None,
+        draws_random: bool = False,
+        args: tuple = (),
+    ) -> tuple[Any, Any]:
         """Run ``fn()`` ``warmup_runs`` times, then capture it in this device's pool; return (the graph,
         the captured call's result). The graph has ``replay()``.
 
@@ -182,8 +189,11 @@ class DeviceGraphs:
             handles.add(tuple(self._pool[0]))
         if not handles:
             return 0
-        return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
-                   if seg.get("device") == self.index and tuple(seg.get("segment_pool_id", ())) in handles)
+        return sum(
+            seg["total_size"]
+            for seg in torch.cuda.memory_snapshot()
+            if seg.get("device") == self.index and tuple(seg.get("segment_pool_id", ())) in handles
+        )
 
 
 class GeneratorAside:

@@ -68,8 +68,10 @@ class RankAgreement:
         import torch.distributed as dist
 
         if self._flags is None:
-            self._flags = [(host_group(_torch_internals.resolve_process_group(name)), torch.zeros(1, dtype=torch.int64))
-                           for name in self.group_names]
+            self._flags = [
+                (host_group(_torch_internals.resolve_process_group(name)), torch.zeros(1, dtype=torch.int64))
+                for name in self.group_names
+            ]
         for group, flag in self._flags:
             flag[0] = int(ok)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)

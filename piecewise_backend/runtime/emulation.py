@@ -9,7 +9,7 @@ and benchmarks of this package, not for users (emulation is slower than running 
 from __future__ import annotations
 
 import contextvars
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -89,8 +89,11 @@ class FullGraphs:
         for i, address in captured.written:
             if args[i].data_ptr() != address:
                 return self._fall_back(f"an input it writes ({self.graph.plan.inputs.names[i]}) is at a new address")
-        copies, outputs = (captured.views.get(route.size) or self._slice(captured, route.size)) if route.padded \
+        copies, outputs = (
+            (captured.views.get(route.size) or self._slice(captured, route.size))
+            if route.padded
             else (captured.copies, captured.outputs)
+        )
         for i, buf, address in copies:
             if args[i].data_ptr() != address:
                 buf.copy_(args[i])
@@ -102,8 +105,10 @@ class FullGraphs:
     def _slice(self, captured: _FullCapture, size: int):
         """The owned buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
         pad = self.plan.padding
-        copies = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, address)
-                  for i, buf, address in captured.copies]
+        copies = [
+            (i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, address)
+            for i, buf, address in captured.copies
+        ]
         captured.views[size] = (copies, narrowed(captured.outputs, pad.out_dims, size))
         return captured.views[size]
 
@@ -179,15 +184,17 @@ class FullGraphs:
                 return graph.forward_split(*capture_args)
 
         if graph.device.type == "cuda":
-            recorded, outputs = device_graphs(graph.device).record(watched, 0, None, self.plan.draws_random,
-                                                                    capture_args)
+            recorded, outputs = device_graphs(graph.device).record(
+                watched, 0, None, self.plan.draws_random, capture_args
+            )
             outputs = as_tuple(outputs)
         else:
             recorded = EmulatedGraph(lambda: graph.forward_split(*capture_args), [], watched)
             outputs = recorded.outputs
         keep = self.plan.returns_inputs
-        return recorded, tuple(weak_alias(o) if isinstance(o, torch.Tensor) and j not in keep else o
-                               for j, o in enumerate(outputs))
+        return recorded, tuple(
+            weak_alias(o) if isinstance(o, torch.Tensor) and j not in keep else o for j, o in enumerate(outputs)
+        )
 
     def _failed(self, key: tuple, reason: str) -> None:
         message = f"full capture at shape key {key} failed ({reason}); that size runs piecewise"

@@ -36,8 +36,9 @@ def cudagraph_mode(mode: str):
     try:
         chosen = GraphMode(mode)
     except ValueError:
-        raise ValueError(f"piecewise: cudagraph_mode({mode!r}): use one of "
-                         f"{', '.join(repr(m.value) for m in GraphMode)}") from None
+        raise ValueError(
+            f"piecewise: cudagraph_mode({mode!r}): use one of {', '.join(repr(m.value) for m in GraphMode)}"
+        ) from None
     token = _MODE.set(chosen)
     try:
         yield

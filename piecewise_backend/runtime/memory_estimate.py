@@ -30,7 +30,7 @@ allocator's own count, measured, for this model on this device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from collections.abc import Iterable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,9 +65,11 @@ class GraphMemoryEstimate:
 
     def __str__(self) -> str:
         points = ", ".join(f"{s}: {b / 2**20:.1f} MiB" for s, b in self.measured)
-        return (f"graph memory for {len(set(self.sizes))} sizes up to {max(self.sizes)}: "
-                f"{self.predicted_bytes / 2**20:.1f} MiB (measured after capturing {points}; "
-                f"{self.fixed_bytes / 2**20:.1f} MiB + {self.bytes_per_row / 2**10:.1f} KiB per row of the largest)")
+        return (
+            f"graph memory for {len(set(self.sizes))} sizes up to {max(self.sizes)}: "
+            f"{self.predicted_bytes / 2**20:.1f} MiB (measured after capturing {points}; "
+            f"{self.fixed_bytes / 2**20:.1f} MiB + {self.bytes_per_row / 2**10:.1f} KiB per row of the largest)"
+        )
 
 
 def fit(points: list[tuple[int, int]]) -> tuple[float, float]:
@@ -103,15 +105,19 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
     """Capture the largest and the smallest of ``sizes`` (those not captured yet) on ``graph`` and
     predict the graph memory of all of them (see the module docstring)."""
     if graph.device.type != "cuda":
-        raise ValueError(f"piecewise: graph {graph.serial} runs on {graph.device}: graph memory is measured from "
-                         f"the CUDA allocator's pool; estimate on the GPU the model will serve on.")
+        raise ValueError(
+            f"piecewise: graph {graph.serial} runs on {graph.device}: graph memory is measured from "
+            f"the CUDA allocator's pool; estimate on the GPU the model will serve on."
+        )
     keys = graph.up_front.keys_of(sizes)  # checked, largest first
     if not keys:
         raise ValueError(f"piecewise: no capture size of graph {graph.serial} among {sizes!r}.")
     position = graph.pad_position
     for key in (keys[0], keys[-1]):  # the largest, then the smallest
         if key not in graph.captured and not graph.capture([key[position]]):
-            raise RuntimeError(f"piecewise: graph {graph.serial} did not capture size {key[position]} (see its "
-                               f"warnings and stats.summary()); nothing to measure.")
+            raise RuntimeError(
+                f"piecewise: graph {graph.serial} did not capture size {key[position]} (see its "
+                f"warnings and stats.summary()); nothing to measure."
+            )
     asked = set(keys)
     return from_events(tuple(k[position] for k in keys), [e for e in graph.stats.events if e.key in asked], position)

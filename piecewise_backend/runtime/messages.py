@@ -10,8 +10,10 @@ import pathlib
 import sys
 import warnings
 
-_OURS = (str(pathlib.Path(__file__).resolve().parents[1]),
-         *importlib.util.find_spec("torch").submodule_search_locations)
+_OURS = (
+    str(pathlib.Path(__file__).resolve().parents[1]),
+    *importlib.util.find_spec("torch").submodule_search_locations,
+)
 
 
 def user_stacklevel() -> int:
@@ -36,29 +38,37 @@ class GraphWarnings:
             warnings.warn(message, stacklevel=user_stacklevel())
 
 
-WEIGHTS_BOUND_ELSEWHERE = ("another rank of this graph's process groups met parameters/buffers at a new set of "
-                           "addresses past its max_weight_sets")
+WEIGHTS_BOUND_ELSEWHERE = (
+    "another rank of this graph's process groups met parameters/buffers at a new set of "
+    "addresses past its max_weight_sets"
+)
 
 
 def weights_bound(serial: int, detail: str, elsewhere: bool = False) -> str:
     """A new set of parameter addresses past ``max_weight_sets`` (here, or on another rank when
     ``elsewhere``): this call runs un-graphed."""
     if elsewhere:
-        return (f"piecewise: graph {serial}: {detail}: this call runs un-graphed on every rank, so that their "
-                f"collectives keep pairing up; if those addresses come again there, every rank gets graphs.")
-    return (f"piecewise: graph {serial}: {detail}: this call runs un-graphed. If the same addresses come "
-            f"again, they get graphs in place of the least recently used set; addresses new at every call "
-            f"(beam search's reordered static cache) stay un-graphed: use the dynamic cache there. Raise "
-            f"max_weight_sets to keep more sets; pass the same tensor each call where the graph writes one "
-            f"you own (a cache).")
+        return (
+            f"piecewise: graph {serial}: {detail}: this call runs un-graphed on every rank, so that their "
+            f"collectives keep pairing up; if those addresses come again there, every rank gets graphs."
+        )
+    return (
+        f"piecewise: graph {serial}: {detail}: this call runs un-graphed. If the same addresses come "
+        f"again, they get graphs in place of the least recently used set; addresses new at every call "
+        f"(beam search's reordered static cache) stay un-graphed: use the dynamic cache there. Raise "
+        f"max_weight_sets to keep more sets; pass the same tensor each call where the graph writes one "
+        f"you own (a cache)."
+    )
 
 
 def weights_moved(serial: int, moved: str, number: int, limit: int) -> str:
     """Parameters (or written inputs) at new addresses: graphs are captured for them."""
-    return (f"piecewise: graph {serial}: its parameters/buffers (or inputs it writes in place) are at new "
-            f"addresses ({moved}; load_state_dict(assign=True), .to(), another model's weights, a new cache): "
-            f"capturing graphs for them (set {number}; at most {limit} kept, the least recently used "
-            f"replaced); the tensors captured before are never written.")
+    return (
+        f"piecewise: graph {serial}: its parameters/buffers (or inputs it writes in place) are at new "
+        f"addresses ({moved}; load_state_dict(assign=True), .to(), another model's weights, a new cache): "
+        f"capturing graphs for them (set {number}; at most {limit} kept, the least recently used "
+        f"replaced); the tensors captured before are never written."
+    )
 
 
 def over_budget(serial: int, key: tuple, detail: str, instead: str) -> str:
@@ -67,9 +77,11 @@ def over_budget(serial: int, key: tuple, detail: str, instead: str) -> str:
 
 def never_replayed(serial: int, detail: str, instead: str) -> str:
     """Shapes captured and never replayed: new shapes stop being captured, and the usual causes."""
-    return (f"piecewise: graph {serial}: not capturing new shapes: {detail}. Each would be a graph captured "
-            f"for one call. {instead}; shapes captured still replay. In a decode step, usually a KV length "
-            f"inside a compute piece: attention that is not scaled_dot_product_attention (transformers: "
-            f"attn_implementation=\"sdpa\" where the model supports it, or the static cache, whose shapes are "
-            f"fixed), or your own attention op not in extra_splitting_ops; in a prefill, prompts of many "
-            f"lengths (pad them to a few lengths to get graphs).")
+    return (
+        f"piecewise: graph {serial}: not capturing new shapes: {detail}. Each would be a graph captured "
+        f"for one call. {instead}; shapes captured still replay. In a decode step, usually a KV length "
+        f"inside a compute piece: attention that is not scaled_dot_product_attention (transformers: "
+        f'attn_implementation="sdpa" where the model supports it, or the static cache, whose shapes are '
+        f"fixed), or your own attention op not in extra_splitting_ops; in a prefill, prompts of many "
+        f"lengths (pad them to a few lengths to get graphs)."
+    )

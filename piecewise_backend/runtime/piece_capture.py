@@ -55,12 +55,17 @@ def capture_piece(runner: PieceRunner, key: tuple, args: tuple):
         capture_args, checks = _capture_inputs(runner, args)
         captured, outputs = _record_graph(runner, capture_args, checks, watch, device)
     except Exception as exc:  # capture is an optimisation: fall back loudly, never crash
-        failure = f"capture at shape key {key} failed ({type(exc).__name__}: {exc}){op_names.while_running(watch.raised)}"
+        failure = (
+            f"capture at shape key {key} failed ({type(exc).__name__}: {exc}){op_names.while_running(watch.raised)}"
+        )
     if failure is not None and device.type == "cuda":
         device_graphs(device).recover()  # after the except: the failed graph is freed by now
-    failure = agreed_refusal(runner.agreement, failure,
-                             f"capture at shape key {key} failed on another rank of this graph's process groups "
-                             f"(all give it up, so their collectives keep pairing up)")
+    failure = agreed_refusal(
+        runner.agreement,
+        failure,
+        f"capture at shape key {key} failed on another rank of this graph's process groups "
+        f"(all give it up, so their collectives keep pairing up)",
+    )
     if failure is not None:
         reason = f"{failure}; running un-graphed"
         runner.failed_keys.add(key)
@@ -128,8 +133,9 @@ def _record_graph(runner: PieceRunner, capture_args: list, checks: list, watch, 
             return fn(*call_args)
 
     if device.type == "cuda":
-        graph, outputs = device_graphs(device).record(lambda: watched(*capture_args), warmup_runs, restore,
-                                                      runner.piece.draws_random, capture_args)
+        graph, outputs = device_graphs(device).record(
+            lambda: watched(*capture_args), warmup_runs, restore, runner.piece.draws_random, capture_args
+        )
         outputs = as_tuple(outputs)
     else:
         for _ in range(warmup_runs):

@@ -120,8 +120,17 @@ class PieceRunner:
             collectives inside it still pair up.
     """
 
-    def __init__(self, piece: PiecePlan, code: PieceCode, step: StepState, stats: PieceStats, warmup_runs: int,
-                 clone_outputs: bool, agreement: RankAgreement | None = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        piece: PiecePlan,
+        code: PieceCode,
+        step: StepState,
+        stats: PieceStats,
+        warmup_runs: int,
+        clone_outputs: bool,
+        agreement: RankAgreement | None = None,
+        device: torch.device | None = None,
+    ):
         self.piece = piece  # read as it is: its args' specs, padding, staging, what it writes
         self.name = piece.name
         self.fn = code.runs
@@ -151,8 +160,11 @@ class PieceRunner:
             if step.key in self.failed_keys:
                 return self.run_ungraphed(args)
             return capture_piece(self, step.key, args)  # the cold path (piece_capture.py)
-        checks, outputs = (captured.views.get(step.size) or self._slice(captured, step.size)) if step.padded \
+        checks, outputs = (
+            (captured.views.get(step.size) or self._slice(captured, step.size))
+            if step.padded
             else (captured.checks, captured.outputs)
+        )
         for i, buf, ptr, stage in checks:
             arg = args[i]
             source = arg.data_ptr()
@@ -200,9 +212,11 @@ class PieceRunner:
     def _run_eagerly_from_now_on(self, exc: Exception) -> None:
         """The compiled piece raised where its FX code, run as Dynamo traced it, did not: say so once,
         and run (and capture) the FX code from now on. Graphs already captured keep replaying."""
-        reason = (f"the compiled code raised {type(exc).__name__}: {exc}; its traced code did not, so it runs "
-                  f"that (eagerly, or captured as it is) from now on. Please report it with the piece's code "
-                  f"(piecewise_backend.inspect_split)")
+        reason = (
+            f"the compiled code raised {type(exc).__name__}: {exc}; its traced code did not, so it runs "
+            f"that (eagerly, or captured as it is) from now on. Please report it with the piece's code "
+            f"(piecewise_backend.inspect_split)"
+        )
         self.fn = self.eager_fn = _torch_internals.generated_forward(self.eager_fn)  # a lazy graph module's
         self.stats.failures.append(reason)
         warnings.warn(f"piecewise: {self.name}: {reason}", stacklevel=user_stacklevel())
@@ -233,8 +247,10 @@ class PieceRunner:
     def _slice(self, captured: Captured, size: int):
         """The captured buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
         pad = self.piece.padding
-        checks = [(i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr, stage)
-                  for i, buf, ptr, stage in captured.checks]
+        checks = [
+            (i, buf.narrow(pad.arg_dims[i], 0, size) if i in pad.arg_dims else buf, ptr, stage)
+            for i, buf, ptr, stage in captured.checks
+        ]
         outputs = self.narrow_outputs(captured.outputs, size)
         captured.views[size] = (checks, outputs)
         return checks, outputs
@@ -247,5 +263,7 @@ class PieceRunner:
             return outputs
         if not isinstance(outputs, tuple):
             return outputs.clone() if isinstance(outputs, torch.Tensor) else outputs  # a bool, an int: as is
-        return tuple(o.clone() if i in self.piece.escaping_outputs and isinstance(o, torch.Tensor) else o
-                     for i, o in enumerate(outputs))
+        return tuple(
+            o.clone() if i in self.piece.escaping_outputs and isinstance(o, torch.Tensor) else o
+            for i, o in enumerate(outputs)
+        )

@@ -19,17 +19,26 @@ Compiled pieces are unaffected: Inductor chose their kernels at compile time, an
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..config import SDPA_BACKENDS as NAMES
 
 _cuda = torch.backends.cuda
-_GET = {"flash": _cuda.flash_sdp_enabled, "efficient": _cuda.mem_efficient_sdp_enabled,
-        "math": _cuda.math_sdp_enabled, "cudnn": _cuda.cudnn_sdp_enabled}
-_SET = {"flash": _cuda.enable_flash_sdp, "efficient": _cuda.enable_mem_efficient_sdp,
-        "math": _cuda.enable_math_sdp, "cudnn": _cuda.enable_cudnn_sdp}
+_GET = {
+    "flash": _cuda.flash_sdp_enabled,
+    "efficient": _cuda.mem_efficient_sdp_enabled,
+    "math": _cuda.math_sdp_enabled,
+    "cudnn": _cuda.cudnn_sdp_enabled,
+}
+_SET = {
+    "flash": _cuda.enable_flash_sdp,
+    "efficient": _cuda.enable_mem_efficient_sdp,
+    "math": _cuda.enable_math_sdp,
+    "cudnn": _cuda.enable_cudnn_sdp,
+}
 
 
 class SdpaBackends:

@@ -75,22 +75,32 @@ class GraphStats:
     #   cudagraph_mode("full") that ran piecewise, by reason
     pieces: dict = dataclasses.field(default_factory=dict)  # name -> PieceStats
     events: list = dataclasses.field(default_factory=list)  # CaptureEvent, in order
-    batch_sizes: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls per caller batch size
-    misses: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # calls run un-graphed, by reason
+    batch_sizes: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )  # calls per caller batch size
+    misses: collections.Counter = dataclasses.field(
+        default_factory=collections.Counter
+    )  # calls run un-graphed, by reason
     miss_details: dict = dataclasses.field(default_factory=dict)  # reason -> the last full message
 
     @classmethod
-    def of_plan(cls, plan) -> "GraphStats":
+    def of_plan(cls, plan) -> GraphStats:
         """A compiled graph's counters at its start: what its plan says of its pieces."""
         compute = len(plan.pieces)
-        return cls(num_pieces=len(plan.piece_specs), num_compute_pieces=compute,
-                   num_split_pieces=len(plan.piece_specs) - compute,
-                   inductor_compiles=plan.report.inductor_compiles, inductor_seconds=plan.report.inductor_seconds,
-                   graphs_disabled_reason=plan.graphs_disabled_reason,
-                   padding=plan.padding.note, unsafe_ops=plan.unsafe_ops,
-                   full_padding=plan.full.padding_note, full_refusal=plan.full.refusal,
-                   eager_sdpa=plan.sdpa_choice.reason if plan.sdpa_choice is not None else "",
-                   attention=dict(collections.Counter(how for _, how in plan.report.attention)))
+        return cls(
+            num_pieces=len(plan.piece_specs),
+            num_compute_pieces=compute,
+            num_split_pieces=len(plan.piece_specs) - compute,
+            inductor_compiles=plan.report.inductor_compiles,
+            inductor_seconds=plan.report.inductor_seconds,
+            graphs_disabled_reason=plan.graphs_disabled_reason,
+            padding=plan.padding.note,
+            unsafe_ops=plan.unsafe_ops,
+            full_padding=plan.full.padding_note,
+            full_refusal=plan.full.refusal,
+            eager_sdpa=plan.sdpa_choice.reason if plan.sdpa_choice is not None else "",
+            attention=dict(collections.Counter(how for _, how in plan.report.attention)),
+        )
 
     @property
     def captures(self) -> int:
@@ -142,9 +152,19 @@ class GraphStats:
 
     def rows(self) -> list[dict]:
         """One dict per captured size: key, how, seconds, pool MiB, growth MiB, pieces."""
-        return [{"key": e.key, "mode": e.mode, "how": e.how, "capture_ms": round(e.seconds * 1e3, 1),
-                 "pool_mib": round(e.pool_bytes / 2**20, 1), "growth_mib": round(e.pool_growth / 2**20, 1),
-                 "pieces": e.pieces, "call": e.call} for e in self.events]
+        return [
+            {
+                "key": e.key,
+                "mode": e.mode,
+                "how": e.how,
+                "capture_ms": round(e.seconds * 1e3, 1),
+                "pool_mib": round(e.pool_bytes / 2**20, 1),
+                "growth_mib": round(e.pool_growth / 2**20, 1),
+                "pieces": e.pieces,
+                "call": e.call,
+            }
+            for e in self.events
+        ]
 
     def table(self) -> str:
         """:meth:`rows` as a fixed-width text table."""
@@ -168,11 +188,15 @@ class GraphStats:
             replaced = f" ({self.weight_sets_replaced} replaced by newer ones)" if self.weight_sets_replaced else ""
             lines.append(f"parameters moved: graphs for {self.weight_sets} sets of parameter addresses{replaced}")
         if self.replaced_keys:
-            lines.append(f"captured sizes replaced by busier ones (max_captured_sizes): {len(self.replaced_keys)} "
-                         f"({', '.join(map(str, self.replaced_keys[:6]))}{', ...' if len(self.replaced_keys) > 6 else ''})")
+            lines.append(
+                f"captured sizes replaced by busier ones (max_captured_sizes): {len(self.replaced_keys)} "
+                f"({', '.join(map(str, self.replaced_keys[:6]))}{', ...' if len(self.replaced_keys) > 6 else ''})"
+            )
         if self.rides:
-            lines.append(f"calls that replayed a larger captured graph, padded, while their own size waited "
-                         f"(defer_captures) or was refused: {self.rides}")
+            lines.append(
+                f"calls that replayed a larger captured graph, padded, while their own size waited "
+                f"(defer_captures) or was refused: {self.rides}"
+            )
         if self.unsafe_ops:
             lines.append(f"split at ops tagged cudagraph_unsafe: {', '.join(self.unsafe_ops)}")
         if self.attention:
@@ -186,11 +210,12 @@ class GraphStats:
                 lines.append(f"{p.name}: {reason}")
         return "\n".join(lines)
 
-
     def _full_summary(self) -> str:
         sizes = sorted((size, n) for (mode, size), n in self.graph_calls.items() if mode == GraphMode.FULL)
-        line = (f"full graphs: {self.full_replays} calls at sizes {dict(sizes)} (captured {sorted(self.full_keys)}); "
-                f"piecewise: {self.piecewise_replays} calls; full padding: {self.full_padding}")
+        line = (
+            f"full graphs: {self.full_replays} calls at sizes {dict(sizes)} (captured {sorted(self.full_keys)}); "
+            f"piecewise: {self.piecewise_replays} calls; full padding: {self.full_padding}"
+        )
         for reason, count in self.full_fallbacks.items():
             line += f"\ncalls under cudagraph_mode('full') run piecewise, {reason}: {count}"
         return "\n".join([line, *self.full_failures])

@@ -39,10 +39,12 @@ class StepScalars:
             for slot, value in zip(self.slots, values):
                 if not slot.low <= value <= slot.high:
                     name = slot.name
-                    raise IndexError(f"piecewise: {slot.what} needs {slot.low} <= {name} <= {slot.high}; got "
-                                     f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
-                                     f"raises a shape error here too): make the buffer larger or stop before "
-                                     f"its end.")
+                    raise IndexError(
+                        f"piecewise: {slot.what} needs {slot.low} <= {name} <= {slot.high}; got "
+                        f"{name} = {value}. It would reach outside the buffer (eager PyTorch "
+                        f"raises a shape error here too): make the buffer larger or stop before "
+                        f"its end."
+                    )
             self._write(values)
         self._before, self._called = self._called, values
         return (*args, self.tensor)
@@ -53,8 +55,10 @@ class StepScalars:
         called, before = self._called, self._before
         if called is None or before is None:
             return
-        ahead = [value + 1 if value == old + 1 and value < slot.high else value
-                 for slot, value, old in zip(self.slots, called, before)]
+        ahead = [
+            value + 1 if value == old + 1 and value < slot.high else value
+            for slot, value, old in zip(self.slots, called, before)
+        ]
         if ahead != called:
             self._write(ahead)
 
@@ -68,9 +72,11 @@ class StepScalars:
     def writes_disabled(self):
         """Rewritten writes put back what they read (for runs on made-up inputs)."""
         if not self.writes_masked:
-            raise RuntimeError("piecewise: this graph's KV writes are unmasked (its inputs have fixed sizes), so "
-                               "they cannot be turned off for a run on made-up inputs; it captures lazily, on "
-                               "real calls.")
+            raise RuntimeError(
+                "piecewise: this graph's KV writes are unmasked (its inputs have fixed sizes), so "
+                "they cannot be turned off for a run on made-up inputs; it captures lazily, on "
+                "real calls."
+            )
         self._views[ENABLE].fill_(0)
         try:
             yield

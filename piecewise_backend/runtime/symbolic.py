@@ -9,7 +9,8 @@ in a real call (:func:`symbol_values`), an expression evaluated at chosen values
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

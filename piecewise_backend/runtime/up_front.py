@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Protocol
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.fx
@@ -99,20 +100,26 @@ class UpFrontCapture:
         if plan.graphs_disabled_reason is not None:
             return f"graph {serial} cannot capture: {plan.graphs_disabled_reason}."
         if plan.key.pad_position is None:
-            return (f"graph {serial} has no dynamic batch size (Dynamo specialised it); it captures its "
-                    f"one shape on its first call. Compile with dynamic=True or "
-                    f"torch._dynamo.mark_dynamic(input, 0) to capture sizes up front.")
+            return (
+                f"graph {serial} has no dynamic batch size (Dynamo specialised it); it captures its "
+                f"one shape on its first call. Compile with dynamic=True or "
+                f"torch._dynamo.mark_dynamic(input, 0) to capture sizes up front."
+            )
         if self._template is None:
-            return (f"graph {serial} has not been called yet; call the compiled model once (capture() "
-                    f"takes the weights and other sizes from that call).")
+            return (
+                f"graph {serial} has not been called yet; call the compiled model once (capture() "
+                f"takes the weights and other sizes from that call)."
+            )
         if self.writes_unmasked:
             return f"graph {serial} cannot capture up front: {self.no_up_front_capture()}"
         return None
 
     def no_up_front_capture(self) -> str:
-        return (f"its compute pieces write {', '.join(self.plan.unmasked_writes)} (full mode) at positions the "
-                f"inputs give, and capturing on made-up inputs would write garbage there. Its sizes are captured "
-                f"lazily, on the first real call at each size.")
+        return (
+            f"its compute pieces write {', '.join(self.plan.unmasked_writes)} (full mode) at positions the "
+            f"inputs give, and capturing on made-up inputs would write garbage there. Its sizes are captured "
+            f"lazily, on the first real call at each size."
+        )
 
     def row_limit(self) -> int | None:
         """The most rows a padded or up-front batch may have (a KV cache's batch dim), None: no limit."""
@@ -146,13 +153,17 @@ class UpFrontCapture:
         sizes = policy.sizes if every else tuple(sizes)
         unknown = [s for s in sizes if s not in policy.sizes]
         if unknown:
-            raise ValueError(f"piecewise: {unknown} are not capture sizes of graph {self.serial}; "
-                             f"its capture sizes are {list(policy.sizes)}.")
+            raise ValueError(
+                f"piecewise: {unknown} are not capture sizes of graph {self.serial}; "
+                f"its capture sizes are {list(policy.sizes)}."
+            )
         rows = self.row_limit()
         too_many = [s for s in sizes if rows is not None and s > rows]
         if too_many and not every:
-            raise ValueError(f"piecewise: graph {self.serial} reads or writes tensors of {rows} rows by batch row "
-                             f"(a KV cache's batch dim); sizes {too_many} would reach past them.")
+            raise ValueError(
+                f"piecewise: graph {self.serial} reads or writes tensors of {rows} rows by batch row "
+                f"(a KV cache's batch dim); sizes {too_many} would reach past them."
+            )
         sizes = tuple(s for s in sizes if s not in too_many)
         return [policy.with_size(self._key, s) for s in sorted(set(sizes), reverse=True)]
 
@@ -185,7 +196,11 @@ def run_compute_pieces(plan: GraphPlan, runners: dict, template: list, values: d
     """Run every compute piece of ``plan`` once on stand-ins at the symbol ``values`` (the runners
     capture); weights and Python scalars are taken from ``template`` as they are."""
     taken = plan.inputs.static_inputs | plan.inputs.python_scalars
-    inputs = [template[i] if i in taken or not isinstance(spec, (TensorSpec, SymSpec))
-              else materialize(spec, values, plan.device) for i, spec in enumerate(plan.inputs.specs)]
+    inputs = [
+        template[i]
+        if i in taken or not isinstance(spec, (TensorSpec, SymSpec))
+        else materialize(spec, values, plan.device)
+        for i, spec in enumerate(plan.inputs.specs)
+    ]
     with torch.no_grad():
         _ComputeOnlyRun(plan.program.module, runners, plan.output_specs, values, plan.device).run(*inputs)

@@ -33,11 +33,11 @@ from ..fx.graph_facts import grows_by_cat
 from ..op_names import SDPA, canonical_op_name, display_name
 
 
-
 def _fixed_but_batch(value) -> bool:
     """Is every dim of ``value`` but the first (the batch, captured per size) a plain number?"""
-    return isinstance(value, torch.Tensor) and all(sym_expr(s).is_number if isinstance(s, torch.SymInt) else True
-                                                   for s in value.shape[1:])
+    return isinstance(value, torch.Tensor) and all(
+        sym_expr(s).is_number if isinstance(s, torch.SymInt) else True for s in value.shape[1:]
+    )
 
 
 def is_fixed_shape_attention(node: torch.fx.Node) -> bool:
@@ -51,8 +51,12 @@ def is_fixed_shape_attention(node: torch.fx.Node) -> bool:
         return False
     values = [facts.example_value(a) for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return len(tensors) >= 3 and tensors[0].dim() == 4 and sym_expr(tensors[0].shape[2]) == 1 and \
-        all(_fixed_but_batch(v) for v in tensors)
+    return (
+        len(tensors) >= 3
+        and tensors[0].dim() == 4
+        and sym_expr(tensors[0].shape[2]) == 1
+        and all(_fixed_but_batch(v) for v in tensors)
+    )
 
 
 def query_symbols(graph: torch.fx.Graph, is_attention) -> set:
@@ -99,9 +103,14 @@ def beside_attention(graph: torch.fx.Graph, is_compute, is_attention) -> dict:
     keep: dict = {}
     for node in reversed(list(graph.nodes)):
         # read by attention as keys, values or mask (never as its query), by the output, or by another such node
-        if node in lengths and node.users and all(u.op == "output" or u in keep or is_attention(u) and u.args[0] is not node
-                                                   for u in node.users):
+        if (
+            node in lengths
+            and node.users
+            and all(u.op == "output" or u in keep or is_attention(u) and u.args[0] is not node for u in node.users)
+        ):
             what = "grows a cache by cat" if grows_by_cat(node, roots) else "depends on a KV length"
-            keep[node] = f"{display_name(node)}: {what} ({', '.join(sorted(map(str, lengths[node])))}), read only " \
-                         f"by attention: runs beside it so that compute pieces never see the KV length"
+            keep[node] = (
+                f"{display_name(node)}: {what} ({', '.join(sorted(map(str, lengths[node])))}), read only "
+                f"by attention: runs beside it so that compute pieces never see the KV length"
+            )
     return keep

@@ -26,8 +26,17 @@ import torch.fx
 
 from ..fx import graph_facts as facts
 
-_INDEX_WRITES = {"index_copy_", "index_put_", "index_add_", "index_fill_", "scatter_", "scatter_add_",
-                 "scatter_reduce_", "masked_fill_", "masked_scatter_"}
+_INDEX_WRITES = {
+    "index_copy_",
+    "index_put_",
+    "index_add_",
+    "index_fill_",
+    "scatter_",
+    "scatter_add_",
+    "scatter_reduce_",
+    "masked_fill_",
+    "masked_scatter_",
+}
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -72,8 +81,11 @@ def graph_safe_writes(graph: torch.fx.Graph, in_place: frozenset, steps: frozens
     for node in graph.nodes:
         written = facts.mutated_inputs(node)
         targets = {roots[m] for m in written}
-        if written and all(r.op == "placeholder" and r.name in in_place for r in targets) and \
-                all(is_graph_safe_write(node, m, roots[m], steps) for m in written):
+        if (
+            written
+            and all(r.op == "placeholder" and r.name in in_place for r in targets)
+            and all(is_graph_safe_write(node, m, roots[m], steps) for m in written)
+        ):
             out[node] = {r.name for r in targets}
     return out
 

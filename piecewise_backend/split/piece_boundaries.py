@@ -30,8 +30,12 @@ def _is_container(node: torch.fx.Node) -> bool:
 
 def _selects_from(user: torch.fx.Node, node: torch.fx.Node) -> bool:
     """Is ``user`` ``node[i]`` for a constant ``i``?"""
-    return (user.op == "call_function" and user.target is operator.getitem and user.args[0] is node
-            and isinstance(user.args[1], int))
+    return (
+        user.op == "call_function"
+        and user.target is operator.getitem
+        and user.args[0] is node
+        and isinstance(user.args[1], int)
+    )
 
 
 def _elements(graph: torch.fx.Graph, node: torch.fx.Node) -> list[torch.fx.Node]:
@@ -60,7 +64,8 @@ def keep_containers_in_their_piece(graph: torch.fx.Graph, kinds: dict, part: dic
                 elements = _elements(graph, node)
                 packed = list(elements) if isinstance(facts.example_value(node), list) else tuple(elements)
                 user.args, user.kwargs = torch.fx.node.map_aggregate(
-                    (user.args, user.kwargs), lambda a: packed if a is node else a)
+                    (user.args, user.kwargs), lambda a: packed if a is node else a
+                )
                 moved = elements
             else:
                 moved = [user]

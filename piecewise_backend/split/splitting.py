@@ -34,10 +34,12 @@ from torch.fx.passes.split_module import split_module
 from .. import _torch_internals
 from ..fx import graph_facts as facts
 from ..kinds import PieceKind, PieceSpec
-from ..op_names import canonical_op_name, display_name, is_cudagraph_unsafe, is_random_op
+from ..op_names import canonical_op_name, display_name, is_cudagraph_unsafe
 from .attention_placement import beside_attention, is_fixed_shape_attention
+from .graph_cleanup import drop_dead_values, drop_unused_scalar_inputs
 from .in_place_writes import graph_safe_writes, only_whole_writes
 from .piece_boundaries import keep_containers_in_their_piece
+from .reordering import hoist, sink
 
 COMPUTE, SPLIT, EAGER = PieceKind.COMPUTE, PieceKind.SPLIT, PieceKind.EAGER
 
@@ -61,9 +63,16 @@ class SplitGraph:
         return frozenset(p.name for p in self.pieces if p.kind == COMPUTE)
 
 
-def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
-              forced_eager: dict, writable: frozenset, fixed_attention: bool, safe_writes: dict,
-              data_dependent: frozenset = frozenset()) -> tuple[dict, dict]:
+def _classify(
+    graph: torch.fx.Graph,
+    splitting_ops: frozenset[str],
+    steps: frozenset,
+    forced_eager: dict,
+    writable: frozenset,
+    fixed_attention: bool,
+    safe_writes: dict,
+    data_dependent: frozenset = frozenset(),
+) -> tuple[dict, dict]:
     """Kind of every op node, and a reason string for each eager one (``attention_placement.py`` says
     which attention stays in a graph, ``fixed_attention``, and which nodes depend on a KV length and
     so run beside the eager attention, ``beside_attention``)."""
@@ -86,23 +95,32 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
                 continue
         written = [roots[m] for m in facts.mutated_inputs(node)]
         if node not in safe_writes and any(r in input_roots for r in written):
-            reasons[node] = f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
+            reasons[node] = (
+                f"{display_name(node)}: writes graph input {next(r for r in written if r in input_roots).name}"
+            )
         elif facts.uses_symbols(node, steps):
             syms = ", ".join(sorted(map(str, steps)))
             reasons[node] = f"{display_name(node)}: depends on per-step scalar {syms}"
         elif facts.uses_symbols(node, data_dependent):
             syms = ", ".join(sorted(map(str, data_dependent)))
-            reasons[node] = f"{display_name(node)}: a size the data decides ({syms}): a graph would replay its capture's"
+            reasons[node] = (
+                f"{display_name(node)}: a size the data decides ({syms}): a graph would replay its capture's"
+            )
         kinds[node] = EAGER if node in reasons else COMPUTE
     # fixed-shape attention counts too: its mask may be built from an input that grows every step
     # (transformers 5.17's sliding window gathers a full window from the [B, past + 1] attention_mask)
     growth = beside_attention(graph, lambda n: kinds.get(n) == COMPUTE, attention.__contains__)
     kinds.update(dict.fromkeys(growth, EAGER))
     reasons.update(growth)
-    # Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
-    # view of an input would alias the runner's copy of it, not the caller's tensor. So do views of
-    # graph inputs the graph returns: eager (and Inductor) hand back a view of the caller's tensor,
-    # through which writes reach it; a captured one would be a copy.
+    _views_feeding_eager(graph, kinds, reasons, roots, input_roots)
+    return kinds, reasons
+
+
+def _views_feeding_eager(graph: torch.fx.Graph, kinds: dict, reasons: dict, roots: dict, input_roots: set) -> None:
+    """Views of graph inputs and scalar ops that only feed eager nodes run eagerly too: a captured
+    view of an input would alias the runner's copy of it, not the caller's tensor. So do views of
+    graph inputs the graph returns: eager (and Inductor) hand back a view of the caller's tensor,
+    through which writes reach it; a captured one would be a copy."""
     output = next(n for n in graph.nodes if n.op == "output")
     for node in reversed(list(graph.nodes)):
         if kinds.get(node) != COMPUTE or not node.users:
@@ -110,15 +128,17 @@ def _classify(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: froze
         views_input = roots[node].op == "placeholder" and roots[node] is not node
         if views_input and output in node.users:
             kinds[node] = EAGER
-            reasons[node] = f"{display_name(node)}: a view of graph input {roots[node].name} that is returned " \
-                            f"(kept a view of the caller's tensor, as in eager)"
+            reasons[node] = (
+                f"{display_name(node)}: a view of graph input {roots[node].name} that is returned "
+                f"(kept a view of the caller's tensor, as in eager)"
+            )
             continue
         feeds_eager_only = all(kinds.get(u) in (EAGER, SPLIT) or u is output and views_input for u in node.users)
-        if feeds_eager_only and (facts.is_sym_node(node) or views_input and (roots[node] in input_roots
-                                                                             or output in _returned(node))):
+        if feeds_eager_only and (
+            facts.is_sym_node(node) or views_input and (roots[node] in input_roots or output in _returned(node))
+        ):
             kinds[node] = EAGER
             reasons[node] = f"{display_name(node)}: view/scalar feeding eager ops only"
-    return kinds, reasons
 
 
 def _returned(node: torch.fx.Node) -> set:
@@ -132,69 +152,6 @@ def _returned(node: torch.fx.Node) -> set:
                 seen.add(user)
                 todo.append(user)
     return out
-
-
-def _hoist(graph: torch.fx.Graph, kinds: dict) -> None:
-    """Move pure eager nodes that read only graph inputs and feed compute (or, for scalars, only the
-    output) to the top of the graph."""
-    roots = facts.alias_roots(graph)
-    written_roots = {roots[m] for n in graph.nodes for m in facts.mutated_inputs(n)}
-    nodes = list(graph.nodes)
-    if any(facts.is_barrier(n) for n in nodes):
-        return
-    available = {n for n in nodes if n.op == "placeholder"}
-    candidates = []
-    for node in nodes:
-        if kinds.get(node) != EAGER or facts.mutated_inputs(node):
-            continue
-        pure = facts.is_sym_node(node) or all(
-            roots[node] is roots[i] or roots[i] not in written_roots for i in facts.tensor_inputs(node))
-        if pure and all(i in available for i in node.all_input_nodes):
-            available.add(node)
-            candidates.append(node)
-    # Keep only candidates that (transitively) feed a compute node, and Python-scalar arithmetic
-    # that only the output reads (transformers' sliding-window cache returns ``cumulative_length_int
-    # + 1`` from each layer: left in place, each one cut the step's graph in two).
-    keep: set = set()
-    for node in reversed(candidates):
-        if any(kinds.get(u) == COMPUTE or u in keep for u in node.users) or \
-                facts.is_sym_node(node) and all(u.op == "output" or u in keep for u in node.users):
-            keep.add(node)
-    anchor = [n for n in nodes if n.op == "placeholder"][-1] if available else None
-    for node in candidates:
-        if node in keep and anchor is not None:
-            anchor.append(node)
-            anchor = node
-
-
-def _conflicts(moving: torch.fx.Node, other: torch.fx.Node, roots: dict) -> bool:
-    """Can ``moving`` not be moved past ``other`` (which currently runs after it)?"""
-    if moving in other.all_input_nodes or facts.is_barrier(other):
-        return True
-    moving_writes = {roots[m] for m in facts.mutated_inputs(moving)}
-    other_writes = {roots[m] for m in facts.mutated_inputs(other)}
-    moving_touches = {roots[i] for i in facts.tensor_inputs(moving)} | {roots[moving]}
-    other_touches = {roots[i] for i in facts.tensor_inputs(other)} | {roots[other]}
-    return bool(moving_writes & other_touches or other_writes & moving_touches)
-
-
-def _sink(graph: torch.fx.Graph, kinds: dict) -> None:
-    """Move eager nodes down to just before the next split op, when nothing in between needs them."""
-    roots = facts.alias_roots(graph)
-    for node in reversed(list(graph.nodes)):
-        if kinds.get(node) != EAGER:
-            continue
-        # Find the next split op, and the start of the eager run that already precedes it.
-        cursor, between = node.next, []
-        while cursor.op != "output" and kinds.get(cursor) != SPLIT:
-            between.append(cursor)
-            cursor = cursor.next
-        if cursor.op == "output":
-            continue
-        while between and kinds.get(between[-1]) == EAGER:
-            cursor = between.pop()
-        if between and not any(_conflicts(node, other, roots) for other in between):
-            cursor.prepend(node)
 
 
 def _partition(graph: torch.fx.Graph, kinds: dict) -> dict:
@@ -215,8 +172,9 @@ def _partition(graph: torch.fx.Graph, kinds: dict) -> dict:
     return part
 
 
-def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writable: frozenset,
-                            safe_writes: dict) -> dict:
+def _cross_partition_writes(
+    graph: torch.fx.Graph, kinds: dict, part: dict, writable: frozenset, safe_writes: dict
+) -> dict:
     """Compute nodes that write memory owned by another partition: they must run eagerly."""
     roots = facts.alias_roots(graph)
     bad = {}
@@ -225,65 +183,15 @@ def _cross_partition_writes(graph: torch.fx.Graph, kinds: dict, part: dict, writ
             continue
         for m in facts.mutated_inputs(node):
             owner = roots[m]
-            if owner.op == "placeholder" and (owner.name in writable or node in safe_writes) and \
-                    (m is owner or part.get(m) == part[node]):
+            if (
+                owner.op == "placeholder"
+                and (owner.name in writable or node in safe_writes)
+                and (m is owner or part.get(m) == part[node])
+            ):
                 continue  # a fixed-address buffer, passed in place: the captured graph writes the caller's tensor
             if part.get(owner) != part[node]:
                 bad[node] = f"{display_name(node)}: writes {owner.name}, which another piece owns"
     return bad
-
-
-def drop_unused_scalar_inputs(split_gm: torch.fx.GraphModule, names: set[str], steps: frozenset) -> None:
-    """Remove per-step SymInt inputs a compute piece does not use.
-
-    ``split_module`` hands a piece the symbols that appear in its inputs' metadata, e.g. ``pos``
-    for a RoPE row whose storage offset is ``16 * pos``. An unused ``pos`` input would still make
-    Inductor treat the piece as dynamic in it (and guard on it); the piece never needs it. Other
-    symbols stay even when no node reads them: they are sizes of the piece's tensors, and Inductor
-    may need them as inputs (a train-mode ``batch_norm`` computes its variance correction from the
-    batch size: without ``s0`` among the inputs, Inductor failed with ``RuntimeError: s0``).
-    """
-    for call in [n for n in split_gm.graph.nodes if n.op == "call_module" and n.target in names]:
-        submod = getattr(split_gm, str(call.target))
-        phs = [n for n in submod.graph.nodes if n.op == "placeholder"]
-        keep = []
-        for ph, arg in zip(phs, call.args):
-            value = facts.example_value(arg) if isinstance(arg, torch.fx.Node) else arg
-            per_step = bool(facts.value_symbols(value) & steps)
-            if ph.users or not per_step or isinstance(value, torch.Tensor) or value is None and isinstance(arg, torch.fx.Node):
-                keep.append(arg)
-            else:
-                submod.graph.erase_node(ph)
-        if len(keep) != len(call.args):
-            call.args = tuple(keep)
-            submod.recompile()
-    split_gm.recompile()  # no dead-code elimination: eager pieces may exist only for their writes
-
-
-_RANDOM_WORDS = ("rand", "dropout", "bernoulli", "normal", "multinomial", "poisson", "exponential", "cauchy",
-                 "geometric", "uniform", "seed")  # a dead draw still moves the generator: kept
-
-
-def _is_dead_and_pure(node: torch.fx.Node) -> bool:
-    """Nothing reads it and dropping it changes nothing: no write, no side effect, no random draw."""
-    if node.op not in ("call_function", "call_method") or node.users or node.is_impure():
-        return False
-    op = canonical_op_name(node.target) if node.op == "call_function" else None
-    if op is not None and not op.startswith("aten::"):
-        return False  # a custom op: it may act where its schema does not say (a collective, a print)
-    name = str(node.target) if node.op == "call_method" else getattr(node.target, "__name__", str(node.target))
-    return not (facts.mutated_inputs(node) or facts.is_barrier(node) or is_random_op(node.target)
-                or any(word in name.lower() for word in _RANDOM_WORDS))
-
-
-def _drop_dead_values(graph: torch.fx.Graph) -> None:
-    """Values nothing reads: Hugging Face's ``cache.keys.numel()`` checks, or transformers 5.17's mask
-    for an attention kind no layer has (Gemma 3 with sliding layers only). Each would hand its inputs,
-    and their sizes, to a compute piece for nothing: a cache's length in the piece's shape key, a
-    capture per decode step and no replay."""
-    for node in reversed(list(graph.nodes)):
-        if _is_dead_and_pure(node):
-            graph.erase_node(node)
 
 
 NO_DEVICE_WORK = "no device work (views of its inputs, scalars, host tensors): nothing to capture, run as it is"
@@ -305,9 +213,14 @@ def _no_device_work(group: list, roots: dict, on_device: bool) -> bool:
     return True
 
 
-def _partition_until_no_write_crosses(graph: torch.fx.Graph, splitting_ops: frozenset[str], steps: frozenset,
-                                      writable_inputs: frozenset, fixed_attention: bool,
-                                      safe_writes: dict) -> tuple[dict, dict, dict]:
+def _partition_until_no_write_crosses(
+    graph: torch.fx.Graph,
+    splitting_ops: frozenset[str],
+    steps: frozenset,
+    writable_inputs: frozenset,
+    fixed_attention: bool,
+    safe_writes: dict,
+) -> tuple[dict, dict, dict]:
     """Kinds, eager reasons and partition of every node, with no compute node writing what another
     piece reads: such a node is forced eager and the graph classified again. Each round forces at
     least one more node, so this ends (in practice after one or two rounds); a round that can force
@@ -315,46 +228,30 @@ def _partition_until_no_write_crosses(graph: torch.fx.Graph, splitting_ops: froz
     data_dependent = facts.data_dependent_symbols(graph)
     forced: dict = {}
     while True:
-        kinds, reasons = _classify(graph, splitting_ops, steps, forced, writable_inputs, fixed_attention, safe_writes,
-                                   data_dependent)
+        kinds, reasons = _classify(
+            graph, splitting_ops, steps, forced, writable_inputs, fixed_attention, safe_writes, data_dependent
+        )
         for n in forced:
             kinds[n] = EAGER
-        _hoist(graph, kinds)
-        _sink(graph, kinds)
+        hoist(graph, kinds)
+        sink(graph, kinds)
         part = _partition(graph, kinds)
         keep_containers_in_their_piece(graph, kinds, part, reasons)
         bad = _cross_partition_writes(graph, kinds, part, writable_inputs, safe_writes)
         if not bad:
             return kinds, reasons, part
         if all(n in forced for n in bad):
-            raise RuntimeError(f"piecewise: split: {len(bad)} write(s) still cross pieces with their nodes run "
-                               f"eagerly ({'; '.join(map(str, bad.values()))}). Please report it with the graph "
-                               f"(piecewise_backend.debug_dump); cudagraphs=False in options avoids it.")
+            raise RuntimeError(
+                f"piecewise: split: {len(bad)} write(s) still cross pieces with their nodes run "
+                f"eagerly ({'; '.join(map(str, bad.values()))}). Please report it with the graph "
+                f"(piecewise_backend.debug_dump); cudagraphs=False in options avoids it."
+            )
         forced.update(bad)
 
 
-def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
-                writable_inputs: frozenset = frozenset(), fixed_attention: bool = False,
-                in_place: frozenset = frozenset()) -> SplitGraph:
-    """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces.
-
-    ``writable_inputs``: names of graph inputs that compute pieces may write in place (full mode
-    passes the parameters/buffers: their addresses are fixed, so a captured write lands in the
-    caller's tensor). Writes to any other input run eagerly. ``fixed_attention``: attention whose
-    shapes are fixed but for the batch stays in its compute piece. ``in_place``: names of inputs used
-    at their own address, which compute pieces may write where ``in_place_writes.py`` says it is safe.
-    """
-    graph = gm.graph
-    _drop_dead_values(graph)
-    steps = facts.step_symbols(graph)
-    safe_writes = graph_safe_writes(graph, in_place, steps)
-    kinds, reasons, part = _partition_until_no_write_crosses(graph, splitting_ops, steps, writable_inputs,
-                                                             fixed_attention, safe_writes)
-    graph.lint()
-
-    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
-    compute_pids = {pid for node, pid in part.items() if kinds[node] == COMPUTE}
-    drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids}, steps)
+def _piece_specs(graph: torch.fx.Graph, split_gm: torch.fx.GraphModule, part: dict, kinds: dict, reasons: dict):
+    """One :class:`PieceSpec` per submodule of the split graph, in order; a compute piece with no
+    device work becomes eager (its nodes' kinds and reasons updated)."""
     members: dict[int, list] = {}
     for node, pid in part.items():
         members.setdefault(pid, []).append(node)
@@ -370,14 +267,71 @@ def split_graph(gm: torch.fx.GraphModule, splitting_ops: frozenset[str],
             kind = EAGER
             kinds.update(dict.fromkeys(group, EAGER))
             reasons.update(dict.fromkeys(group, NO_DEVICE_WORK))
-        written = () if kind != COMPUTE else tuple(dict.fromkeys(
-            roots[m].name for n in group for m in facts.mutated_inputs(n) if roots[m].op == "placeholder"))
-        pieces.append(PieceSpec(
-            name=str(node.target), index=index, kind=kind, split_ops=split_ops,
-            eager_reasons=tuple(reasons[n] for n in group if n in reasons), num_ops=len(group),
-            writes_inputs=written))
+        written = (
+            ()
+            if kind != COMPUTE
+            else tuple(
+                dict.fromkeys(
+                    roots[m].name for n in group for m in facts.mutated_inputs(n) if roots[m].op == "placeholder"
+                )
+            )
+        )
+        pieces.append(
+            PieceSpec(
+                name=str(node.target),
+                index=index,
+                kind=kind,
+                split_ops=split_ops,
+                eager_reasons=tuple(reasons[n] for n in group if n in reasons),
+                num_ops=len(group),
+                writes_inputs=written,
+            )
+        )
+    return pieces
+
+
+def split_graph(
+    gm: torch.fx.GraphModule,
+    splitting_ops: frozenset[str],
+    writable_inputs: frozenset = frozenset(),
+    fixed_attention: bool = False,
+    in_place: frozenset = frozenset(),
+) -> SplitGraph:
+    """Split ``gm`` (modified in place: nodes are reordered) into ordered pieces.
+
+    ``writable_inputs``: names of graph inputs that compute pieces may write in place (full mode
+    passes the parameters/buffers: their addresses are fixed, so a captured write lands in the
+    caller's tensor). Writes to any other input run eagerly. ``fixed_attention``: attention whose
+    shapes are fixed but for the batch stays in its compute piece. ``in_place``: names of inputs used
+    at their own address, which compute pieces may write where ``in_place_writes.py`` says it is safe.
+    """
+    graph = gm.graph
+    drop_dead_values(graph)
+    steps = facts.step_symbols(graph)
+    safe_writes = graph_safe_writes(graph, in_place, steps)
+    kinds, reasons, part = _partition_until_no_write_crosses(
+        graph, splitting_ops, steps, writable_inputs, fixed_attention, safe_writes
+    )
+    graph.lint()
+
+    split_gm = split_module(gm, None, lambda n: part[n], keep_original_order=True)
+    compute_pids = {pid for node, pid in part.items() if kinds[node] == COMPUTE}
+    drop_unused_scalar_inputs(split_gm, {f"submod_{pid}" for pid in compute_pids}, steps)
+    pieces = _piece_specs(graph, split_gm, part, kinds, reasons)
     compute_nodes = tuple(n for n, k in kinds.items() if k == COMPUTE)
-    unsafe = tuple(dict.fromkeys(display_name(n) for n, k in kinds.items() if k == SPLIT and is_cudagraph_unsafe(n.target)
-                                 and canonical_op_name(n.target) not in splitting_ops))
-    return SplitGraph(split_gm, pieces, steps, compute_nodes, facts.written_inputs(graph),
-                      only_whole_writes(graph, safe_writes), unsafe)
+    unsafe = tuple(
+        dict.fromkeys(
+            display_name(n)
+            for n, k in kinds.items()
+            if k == SPLIT and is_cudagraph_unsafe(n.target) and canonical_op_name(n.target) not in splitting_ops
+        )
+    )
+    return SplitGraph(
+        split_gm,
+        pieces,
+        steps,
+        compute_nodes,
+        facts.written_inputs(graph),
+        only_whole_writes(graph, safe_writes),
+        unsafe,
+    )

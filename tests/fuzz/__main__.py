@@ -22,7 +22,7 @@ import warnings
 
 import torch
 
-from .grammar import T, WIDTH, FuzzModel, random_spec
+from .grammar import WIDTH, FuzzModel, T, random_spec
 from .runner import concurrent, fuzz
 
 
@@ -50,10 +50,13 @@ def memory_growth(device: str, replays: int, seed: int = 7, sizes=(1, 3, 8, 17, 
     for _ in range(replays):
         call(rng.choice(sizes))
     torch.cuda.synchronize()
-    return {"memory_growth_bytes": torch.cuda.memory_allocated() - allocated,
-            "pool_growth_bytes": piecewise_backend.pool_bytes() - pool,
-            "memory_calls": replays, "memory_replays": piecewise_backend.process_stats()["replays"] - replayed,
-            "memory_model": str(spec)}
+    return {
+        "memory_growth_bytes": torch.cuda.memory_allocated() - allocated,
+        "pool_growth_bytes": piecewise_backend.pool_bytes() - pool,
+        "memory_calls": replays,
+        "memory_replays": piecewise_backend.process_stats()["replays"] - replayed,
+        "memory_model": str(spec),
+    }
 
 
 def main() -> None:
@@ -73,8 +76,9 @@ def main() -> None:
     # is counted: a capture that recorded no kernel (pieces without device work are not captured)
     empty_graphs = []
     show = warnings.showwarning
-    warnings.showwarning = lambda message, *rest, **kw: empty_graphs.append(1) if "CUDA Graph is empty" in str(
-        message) else None
+    warnings.showwarning = lambda message, *rest, **kw: (
+        empty_graphs.append(1) if "CUDA Graph is empty" in str(message) else None
+    )
     warnings.simplefilter("always")
     torch._dynamo.config.cache_size_limit = 64  # random positions and sizes: many Dynamo graphs
     start = time.perf_counter()
@@ -87,15 +91,26 @@ def main() -> None:
         neighbour.start()
     with torch.no_grad():
         result = fuzz(seeds, args.steps, args.max_batch, args.device)
-        out = {**dataclasses.asdict(result), "failures": result.failures[:50],
-               "max_batch": args.max_batch, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "dynamic_compile": result.dynamic_models > 0, "graph_breaks": result.breaking_models > 0,
-               "threads": False}
+        out = {
+            **dataclasses.asdict(result),
+            "failures": result.failures[:50],
+            "max_batch": args.max_batch,
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+            "dynamic_compile": result.dynamic_models > 0,
+            "graph_breaks": result.breaking_models > 0,
+            "threads": False,
+        }
         if neighbour is not None:
             neighbour.finish()
             out.update({"neighbour_iterations": neighbour.iterations, "neighbour_errors": neighbour.errors})
-            out.update(concurrent(range(args.first_seed, args.first_seed + args.concurrent_models),
-                                  args.concurrent_calls, args.max_batch, args.device))
+            out.update(
+                concurrent(
+                    range(args.first_seed, args.first_seed + args.concurrent_models),
+                    args.concurrent_calls,
+                    args.max_batch,
+                    args.device,
+                )
+            )
             out["threads"] = out["concurrent_calls"] > 0 and neighbour.iterations > 0
             out["wrong"] += out["concurrent_wrong"] + out["concurrent_errors"]
         if args.device == "cuda" and args.replays:

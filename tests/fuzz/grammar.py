@@ -42,16 +42,26 @@ T = 2  # positions per row
 WIDTH = 8
 T_MAX = 16  # KV-cache length
 
-ROW_WISE = ("mlp", "softmax_features", "center_positions", "max_features", "running_norm", "attention_in_row",
-            "causal_sdpa", "select_position")
-MIXING = ("center_batch", "cumsum_batch", "batch_statistics", "train_norm", "attention_over_batch",
-          "last_row")
+ROW_WISE = (
+    "mlp",
+    "softmax_features",
+    "center_positions",
+    "max_features",
+    "running_norm",
+    "attention_in_row",
+    "causal_sdpa",
+    "select_position",
+)
+MIXING = ("center_batch", "cumsum_batch", "batch_statistics", "train_norm", "attention_over_batch", "last_row")
 CACHED = ("kv_cache", "cache_read")
 WRITES = ("counter",)
 ACROSS = ("chunk_across", "topk_across", "scalars_across", "break_item", "break_branch", "break_print")
 BLOCKS = ROW_WISE + MIXING + CACHED + WRITES + ACROSS
-STATELESS = frozenset(ROW_WISE + ("center_batch", "cumsum_batch", "batch_statistics", "attention_over_batch",
-                                  "last_row", "cache_read") + ACROSS)  # no buffer written: callable from threads
+STATELESS = frozenset(
+    ROW_WISE
+    + ("center_batch", "cumsum_batch", "batch_statistics", "attention_over_batch", "last_row", "cache_read")
+    + ACROSS
+)  # no buffer written: callable from threads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +83,9 @@ def random_spec(seed: int, max_batch: int) -> Spec:
     if rng.random() < 0.7:
         blocks[rng.randrange(count)] = rng.choice(MIXING + CACHED + CACHED + WRITES)
     # fewer rows than the largest batch (padding must stop short of them), as many, or more
-    cache_rows = rng.choice([max(2, max_batch - rng.randint(1, max(1, max_batch // 3))), max_batch,
-                             max_batch + rng.randint(1, 8)])
+    cache_rows = rng.choice(
+        [max(2, max_batch - rng.randint(1, max(1, max_batch // 3))), max_batch, max_batch + rng.randint(1, 8)]
+    )
     views = tuple(v for v in ("input", "weight") if rng.random() < 0.3)
     if rng.random() < 0.5:  # drawn last: the models of earlier seeds keep their other blocks
         blocks.insert(rng.randrange(len(blocks) + 1), rng.choice(ACROSS))
@@ -156,10 +167,11 @@ class _Block(nn.Module):
             return x + x[-1:]
         if kind == "kv_cache":
             q, k = self.a(x[:, -1:]).chunk(2, dim=-1)  # this step's key and query, one position
-            self.k_cache[:B, :, pos:pos + 1] = k.unsqueeze(1)
-            self.v_cache[:B, :, pos:pos + 1] = x[:, -1:].unsqueeze(1)
-            out = F.scaled_dot_product_attention(q.unsqueeze(1), self.k_cache[:B, :, :pos + 1],
-                                                 self.v_cache[:B, :, :pos + 1])
+            self.k_cache[:B, :, pos : pos + 1] = k.unsqueeze(1)
+            self.v_cache[:B, :, pos : pos + 1] = x[:, -1:].unsqueeze(1)
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(1), self.k_cache[:B, :, : pos + 1], self.v_cache[:B, :, : pos + 1]
+            )
             return x + out.squeeze(1)
         if kind == "cache_read":
             return x + self.k_cache[:B, 0, :T] + self.b(self.a(x))
@@ -182,8 +194,9 @@ class _Block(nn.Module):
             return h.squeeze(1) + top.values.mean(-1, keepdim=True) + top.indices.float().mean(-1, keepdim=True) * 0.1
         if kind == "scalars_across":  # numbers from the sizes, made before the attention, read after
             fraction, causal, scale = B / (B + 1), x.shape[1] > 1, x.shape[-1] ** -0.5
-            h = F.scaled_dot_product_attention(x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), is_causal=causal,
-                                               scale=scale)
+            h = F.scaled_dot_product_attention(
+                x.unsqueeze(1), x.unsqueeze(1), x.unsqueeze(1), is_causal=causal, scale=scale
+            )
             return h.squeeze(1) * fraction + x * B / (B + 2)
         if kind == "break_item":  # .item() ends the graph; the next one starts with a Python float
             return x * self.gain.item()

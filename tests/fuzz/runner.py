@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from .grammar import ACROSS, T, T_MAX, WIDTH, FuzzModel, random_spec
+from .grammar import ACROSS, T_MAX, WIDTH, FuzzModel, T, random_spec
 
 BREAKS = frozenset(b for b in ACROSS if b.startswith("break_"))
 
@@ -40,7 +40,7 @@ class FuzzResult:
     breaking_models: int = 0  # models with a graph break (.item(), a branch on the data, print)
     crossing_models: int = 0  # models with a value other than one tensor crossing a piece (ACROSS)
 
-    def merge(self, other: "FuzzResult") -> None:
+    def merge(self, other: FuzzResult) -> None:
         for field in dataclasses.fields(self):
             mine, theirs = getattr(self, field.name), getattr(other, field.name)
             setattr(self, field.name, max(mine, theirs) if field.name == "max_rel_err" else mine + theirs)
@@ -61,8 +61,16 @@ def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
-def run_model(seed: int, steps: int, max_batch: int, device: str = "cpu", options: dict | None = None,
-              tolerance: float = 1e-3, swap_every: float = 0.1, keep_every: int = 3) -> FuzzResult:
+def run_model(
+    seed: int,
+    steps: int,
+    max_batch: int,
+    device: str = "cpu",
+    options: dict | None = None,
+    tolerance: float = 1e-3,
+    swap_every: float = 0.1,
+    keep_every: int = 3,
+) -> FuzzResult:
     """Fuzz one random model for ``steps`` calls; batch sizes 1..min(max_batch, its cache rows)."""
     import piecewise_backend
 
@@ -74,8 +82,12 @@ def run_model(seed: int, steps: int, max_batch: int, device: str = "cpu", option
     reference = copy.deepcopy(model)
     dynamic = compiles_dynamic(seed)
     compiled = torch.compile(model, backend="piecewise", options=options or {}, dynamic=True if dynamic else None)
-    result = FuzzResult(models=1, dynamic_models=int(dynamic), breaking_models=int(bool(BREAKS & set(spec.blocks))),
-                        crossing_models=int(bool(set(ACROSS) & set(spec.blocks))))
+    result = FuzzResult(
+        models=1,
+        dynamic_models=int(dynamic),
+        breaking_models=int(bool(BREAKS & set(spec.blocks))),
+        crossing_models=int(bool(set(ACROSS) & set(spec.blocks))),
+    )
     kept = []  # (compiled output, eager output) of some steps, re-checked at the end
     held: list = []  # (parameter the user held before a swap, its values then)
     largest = min(max_batch, spec.cache_rows)
@@ -156,7 +168,7 @@ def concurrent(seeds, calls: int, max_batch: int, device: str = "cpu", threads: 
         compiled = torch.compile(model, backend="piecewise", dynamic=True if compiles_dynamic(seed) else None)
         largest = min(max_batch, spec.cache_rows)
         with torch.no_grad():  # compiled before the threads start, as the README says: torch's FX
-            for n in (1, 2):   # tracing flag is process-wide, so a call made while another thread
+            for n in (1, 2):  # tracing flag is process-wide, so a call made while another thread
                 x = torch.randn(n, T, WIDTH, device=device)  # compiles may raise (any backend)
                 if n > 1:
                     torch._dynamo.mark_dynamic(x, 0)
@@ -168,7 +180,7 @@ def concurrent(seeds, calls: int, max_batch: int, device: str = "cpu", threads: 
             # a generator of its own: on torch 2.11 the default one raises in a thread drawing from
             # it while another thread begins a capture (README, Troubleshooting: threads)
             inputs = torch.Generator(device=device).manual_seed(seed * 31 + worker)
-            with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else _Nothing()):
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else _Nothing():
                 for _ in range(calls // threads):
                     x = torch.randn(rng.randint(1, largest), T, WIDTH, device=device, generator=inputs)
                     if x.shape[0] > 1:
@@ -203,8 +215,7 @@ class _Nothing:
         return False
 
 
-def fuzz(seeds, steps: int, max_batch: int, device: str = "cpu", options: dict | None = None,
-         **kwargs) -> FuzzResult:
+def fuzz(seeds, steps: int, max_batch: int, device: str = "cpu", options: dict | None = None, **kwargs) -> FuzzResult:
     total = FuzzResult()
     for seed in seeds:
         total.merge(run_model(seed, steps, max_batch, device, options, **kwargs))

@@ -36,7 +36,24 @@ from ...fx import graph_facts as facts
 from ...op_names import SDPA, canonical_op_name, display_name
 from ..types import Capacity
 from .row_indexing import IndexingRules
-from .row_ops import ALONG_DIM, CONV_NDIM, MATMULS, METADATA, MOVES, NORMS_OVER_LAST, POINTWISE, RESHAPES, SPLIT_ALONG, Refused, as_dims, base, dims_arg, norm_dim, op_name, prefix
+from .row_ops import (
+    ALONG_DIM,
+    CONV_NDIM,
+    MATMULS,
+    METADATA,
+    MOVES,
+    NORMS_OVER_LAST,
+    POINTWISE,
+    RESHAPES,
+    SPLIT_ALONG,
+    Refused,
+    as_dims,
+    base,
+    dims_arg,
+    norm_dim,
+    op_name,
+    prefix,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,20 +75,26 @@ class _Dims:
         """(dim, coefficient) of the batch symbol in a tensor's sizes, None if it has none."""
         if not isinstance(value, torch.Tensor):
             return None
-        found = [(d, sym_expr(s)) for d, s in enumerate(value.shape)
-                 if isinstance(s, torch.SymInt) and self.sym in sym_expr(s).free_symbols]
+        found = [
+            (d, sym_expr(s))
+            for d, s in enumerate(value.shape)
+            if isinstance(s, torch.SymInt) and self.sym in sym_expr(s).free_symbols
+        ]
         if not found:
             return None
         if len(found) > 1:
-            raise Refused(f"{where} has the batch size {self.sym} in dims {[d for d, _ in found]} "
-                           f"(shape {tuple(value.shape)}): rows meet rows")
+            raise Refused(
+                f"{where} has the batch size {self.sym} in dims {[d for d, _ in found]} "
+                f"(shape {tuple(value.shape)}): rows meet rows"
+            )
         dim, expr = found[0]
         if expr == self.sym:
             return dim, 1
         coefficient = sympy.simplify(expr / self.sym)
         if not (coefficient.is_Integer and coefficient > 0):
-            raise Refused(f"{where} has a dim of size {expr} (shape {tuple(value.shape)}), not a whole number "
-                           f"of batch rows")
+            raise Refused(
+                f"{where} has a dim of size {expr} (shape {tuple(value.shape)}), not a whole number of batch rows"
+            )
         return dim, int(coefficient)
 
 
@@ -131,9 +154,11 @@ class _Analysis(IndexingRules):
             return
         custom = canonical_op_name(node.target) if node.op == "call_function" and name is None else None
         if custom is not None:
-            raise Refused(f"{where} is a custom op the padding proof cannot see into; if each of its output "
-                          f"rows reads only the same rows of its inputs, and a padded row writes nothing that real "
-                          f"rows read, declare it: options={{'row_independent_ops': [{custom!r}]}}")
+            raise Refused(
+                f"{where} is a custom op the padding proof cannot see into; if each of its output "
+                f"rows reads only the same rows of its inputs, and a padded row writes nothing that real "
+                f"rows read, declare it: options={{'row_independent_ops': [{custom!r}]}}"
+            )
         if not outs:
             if base(name or "") in METADATA:
                 return  # a size, stride or dtype: the same for every row
@@ -150,8 +175,11 @@ class _Analysis(IndexingRules):
         out = facts.example_value(node)
         first = node.args[0] if node.args else None
         first_value = facts.example_value(first) if isinstance(first, torch.fx.Node) else None
-        if name in POINTWISE or (name in ("max", "min") and len(node.args) > 1
-                                  and isinstance(facts.example_value(node.args[1]), torch.Tensor)):
+        if name in POINTWISE or (
+            name in ("max", "min")
+            and len(node.args) > 1
+            and isinstance(facts.example_value(node.args[1]), torch.Tensor)
+        ):
             if name == "where" and len(node.args) == 1:
                 raise Refused(f"{where}: where(cond) lists indices across the batch")
             return self.aligned(batched, out, out_batches[0], where)
@@ -217,7 +245,9 @@ class _Analysis(IndexingRules):
             return None
         if name in ("pad", "constant_pad_nd"):
             pad = node.args[1] if len(node.args) > 1 else node.kwargs.get("pad")
-            padded = {first_value.dim() - 1 - k // 2 for k in range(len(pad))} if isinstance(pad, (list, tuple)) else None
+            padded = (
+                {first_value.dim() - 1 - k // 2 for k in range(len(pad))} if isinstance(pad, (list, tuple)) else None
+            )
             if padded is None or batched.get(first, (None,))[0] in padded:
                 raise Refused(f"{where} pads the batch dim")
             return None
@@ -308,12 +338,16 @@ class _Analysis(IndexingRules):
             training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
             stats = node.args[1:3]
         if training is not False or any(s is None for s in stats):
-            raise Refused(f"{where} normalises with batch statistics (train mode, or "
-                           f"track_running_stats=False): every row depends on every other")
+            raise Refused(
+                f"{where} normalises with batch statistics (train mode, or "
+                f"track_running_stats=False): every row depends on every other"
+            )
 
     def attention(self, batched: dict, out, where: str) -> None:
         """Attention mixes along the key dim (-2) and features (-1), never along leading dims."""
-        from_right = {value.dim() - dim for value, (dim, _) in ((facts.example_value(i), b) for i, b in batched.items())}
+        from_right = {
+            value.dim() - dim for value, (dim, _) in ((facts.example_value(i), b) for i, b in batched.items())
+        }
         if len(from_right) > 1 or min(from_right) <= 2:
             raise Refused(f"{where}: the batch dim is not one of attention's leading (batch/head) dims")
 

@@ -44,8 +44,12 @@ class IndexingRules(abc.ABC):
         for dim, entry in self.index_dims(entries, first_value.dim(), where):
             if dim != batch_dim:
                 continue
-            if not (isinstance(entry, slice) and entry.start in (None, 0) and entry.step in (None, 1)
-                    and (entry.stop is None or self.same_size(entry.stop, first_value.shape[dim]))):
+            if not (
+                isinstance(entry, slice)
+                and entry.start in (None, 0)
+                and entry.step in (None, 1)
+                and (entry.stop is None or self.same_size(entry.stop, first_value.shape[dim]))
+            ):
                 raise Refused(f"{where} takes part of the batch dim ({entry!r})")
 
     def same_size(self, stop, size) -> bool:
@@ -124,9 +128,12 @@ class IndexingRules(abc.ABC):
                 kept_before += 1
         kept_before += sum(1 for e in entries if e is None)  # conservative: Nones only add leading dims
         if value in batched:
-            view_ndim = target_value.dim() - sum(1 for _, e in indexed if not isinstance(e, slice)) \
-                + sum(1 for e in entries if e is None) \
+            view_ndim = (
+                target_value.dim()
+                - sum(1 for _, e in indexed if not isinstance(e, slice))
+                + sum(1 for e in entries if e is None)
                 + (facts.example_value(index_tensor).dim() if index_tensor is not None else 0)
+            )
             if view_ndim - kept_before != facts.example_value(value).dim() - batched[value][0]:
                 raise Refused(f"{where}: the written value's batch dim does not line up with the target's")
 
@@ -140,13 +147,18 @@ class IndexingRules(abc.ABC):
         on a dim after the batch dim: with one advanced index torch keeps its dims in place, so
         the batch dim stays where it was; two would broadcast together and may move to the front.
         """
-        tensors = [(dim, e) for dim, e in indexed
-                   if isinstance(e, torch.fx.Node) and isinstance(facts.example_value(e), torch.Tensor)]
+        tensors = [
+            (dim, e)
+            for dim, e in indexed
+            if isinstance(e, torch.fx.Node) and isinstance(facts.example_value(e), torch.Tensor)
+        ]
         if not tensors:
             return None
         (dim, entry), *more = tensors
         value = facts.example_value(entry)
         if more or value.dtype == torch.bool or value.is_floating_point() or dim <= batch_dim:
-            raise Refused(f"{where} writes through an index tensor (one integer index tensor after the batch "
-                          f"dim keeps rows apart; this one is not that)")
+            raise Refused(
+                f"{where} writes through an index tensor (one integer index tensor after the batch "
+                f"dim keeps rows apart; this one is not that)"
+            )
         return entry

@@ -22,7 +22,8 @@ class Refused(Exception):
 
 
 # pointwise: each output element reads the inputs' elements at its own index (broadcast aligned)
-POINTWISE = frozenset("""
+POINTWISE = frozenset(
+    """
 abs absolute acos acosh add addcdiv addcmul alias and_ angle asin asinh atan atan2 atanh bfloat16
 bitwise_and bitwise_left_shift bitwise_not bitwise_or bitwise_right_shift bitwise_xor bool ceil celu
 clamp clamp_max clamp_min clip clone conj contiguous copy cos cosh cpu cuda deg2rad detach digamma div
@@ -36,30 +37,56 @@ and not or ones_like or_ polar pos positive pow rad2deg rand_like randn_like rec
 round rrelu rshift rsqrt rsub selu short sigmoid sign signbit silu sin sinc sinh softplus softshrink
 softsign sqrt square sub subtract tan tanh tanhshrink threshold to true_divide truediv trunc type
 type_as wait_tensor where xlogy xor zero zeros_like
-""".split())
+""".split()
+)
 
 # name -> (position of the dim argument counting self as 0, default dims when absent: None = all)
 ALONG_DIM = {
-    **{n: (1, None) for n in """all amax amin any argmax argmin count_nonzero logsumexp max mean median min
-       mode nanmean nanmedian nansum prod std std_mean sum var var_mean aminmax""".split()},
-    **{n: (1, "required") for n in """softmax log_softmax cumsum cumprod cummax cummin logcumsumexp
-       sort argsort flip""".split()},
-    "topk": (2, -1), "kthvalue": (2, -1), "norm": (2, None), "normalize": (2, 1), "roll": (2, None),
-    "diff": (2, -1), "glu": (1, -1), "tril": (None, (-2, -1)), "triu": (None, (-2, -1)),
+    **{
+        n: (1, None)
+        for n in """all amax amin any argmax argmin count_nonzero logsumexp max mean median min
+       mode nanmean nanmedian nansum prod std std_mean sum var var_mean aminmax""".split()
+    },
+    **{
+        n: (1, "required")
+        for n in """softmax log_softmax cumsum cumprod cummax cummin logcumsumexp
+       sort argsort flip""".split()
+    },
+    "topk": (2, -1),
+    "kthvalue": (2, -1),
+    "norm": (2, None),
+    "normalize": (2, 1),
+    "roll": (2, None),
+    "diff": (2, -1),
+    "glu": (1, -1),
+    "tril": (None, (-2, -1)),
+    "triu": (None, (-2, -1)),
 }
-SPLIT_ALONG = {"split": (2, 0), "chunk": (2, 0), "unbind": (1, 0), "split_with_sizes": (2, 0),
-                "tensor_split": (2, 0), "narrow": (1, None), "select": (1, None), "repeat_interleave": (2, None)}
-RESHAPES = frozenset("view reshape view_as reshape_as flatten unflatten _unsafe_view view_as_complex "
-                      "view_as_real".split())
-MOVES = frozenset("unsqueeze squeeze transpose permute movedim moveaxis swapaxes swapdims t T mT expand "
-                   "expand_as broadcast_to numpy_T".split())  # numpy_T: how torch 2.14's Dynamo records x.T
-METADATA = frozenset("size stride dim numel getattr sym_size sym_stride sym_numel sym_storage_offset "
-                      "storage_offset is_contiguous _assert_tensor_metadata _assert_scalar "
-                      "_set_grad_enabled _enter_autocast _exit_autocast".split())
+SPLIT_ALONG = {
+    "split": (2, 0),
+    "chunk": (2, 0),
+    "unbind": (1, 0),
+    "split_with_sizes": (2, 0),
+    "tensor_split": (2, 0),
+    "narrow": (1, None),
+    "select": (1, None),
+    "repeat_interleave": (2, None),
+}
+RESHAPES = frozenset(
+    "view reshape view_as reshape_as flatten unflatten _unsafe_view view_as_complex view_as_real".split()
+)
+MOVES = frozenset(
+    "unsqueeze squeeze transpose permute movedim moveaxis swapaxes swapdims t T mT expand "
+    "expand_as broadcast_to numpy_T".split()
+)  # numpy_T: how torch 2.14's Dynamo records x.T
+METADATA = frozenset(
+    "size stride dim numel getattr sym_size sym_stride sym_numel sym_storage_offset "
+    "storage_offset is_contiguous _assert_tensor_metadata _assert_scalar "
+    "_set_grad_enabled _enter_autocast _exit_autocast".split()
+)
 MATMULS = frozenset("matmul mm bmm __matmul__".split())
 NORMS_OVER_LAST = {"layer_norm": 1, "rms_norm": 1}  # position of normalized_shape
-CONV_NDIM = {"conv1d": 3, "conv2d": 4, "conv3d": 5, "conv_transpose1d": 3, "conv_transpose2d": 4,
-              "conv_transpose3d": 5}
+CONV_NDIM = {"conv1d": 3, "conv2d": 4, "conv3d": 5, "conv_transpose1d": 3, "conv_transpose2d": 4, "conv_transpose3d": 5}
 TRUSTED_MODULES = ("torch", "operator", "builtins", "math", "_operator")
 # tensor-parallel collectives that combine ranks element by element (every rank pads alike); an
 # all-gather or reduce-scatter along the batch dim would not, and is not listed
@@ -88,7 +115,6 @@ def op_name(node: torch.fx.Node) -> str | None:
 def base(name: str) -> str:
     """``add_`` -> ``add`` (the in-place form keeps rows apart exactly when the op does)."""
     return name[:-1] if name.endswith("_") and not name.endswith("__") and len(name) > 1 else name
-
 
 
 def norm_dim(d, ndim: int):
