@@ -75,8 +75,8 @@ def _label_new(labels: dict | None, since: int, label: str) -> int:
     return _newest()
 
 
-def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: str, labels: dict | None = None) -> float:
-    """Median wall time of a greedy decode step (second half of ``steps``), the batch marked dynamic.
+def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: str, labels: dict | None = None):
+    """Wall times (ms) of greedy decode steps (the second half of ``steps``), the batch marked dynamic.
     ``labels``: serial -> what it serves, for each graph this call compiled (prefill or decode, batch)."""
     ids = torch.randint(0, vocab, (batch, prompt), device=device)
     before = _newest()
@@ -94,7 +94,13 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
         before = _label_new(labels, before, f"decode, first at batch {batch}")
-    return statistics.median(times[steps // 2 :]) * 1e3
+    return [t * 1e3 for t in times[steps // 2 :]]
+
+
+def _spread(times: list[float]) -> str:
+    """Median and the 10th-90th percentile range: one number would hide a noisy machine."""
+    deciles = statistics.quantiles(times, n=10)
+    return f"{statistics.median(times):6.2f} ({deciles[0]:.2f}-{deciles[-1]:.2f})"
 
 
 def _show_pieces(graph) -> None:
@@ -112,7 +118,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=None)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8])
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=40, help="decode steps per batch (the second half is timed)")
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()
@@ -151,15 +157,31 @@ def main(argv=None) -> None:
             )
 
     _show_pieces(max(compiled_graphs(), key=lambda g: g.stats.calls))  # the decode graph
-    for g in compiled_graphs():
+    graphs = compiled_graphs()
+    print(
+        f"\n{len(graphs)} graphs: prefill and decode, batch 1 apart from the other batch sizes (Dynamo keeps "
+        f"size 1 apart; every other size shares one graph)"
+    )
+    for g in graphs:
         label = f" ({labels[g.serial]})" if g.serial in labels else ""
         print(f"\ngraph {g.serial}{label}:\n  " + g.stats.summary().replace("\n", "\n  "))
         if g.stats.events:
             print("  " + g.stats.table().replace("\n", "\n  "))
-    print("\ndecode step time (median):")
-    print(f"  {'batch':>5}  {'eager ms':>9}  {'piecewise ms':>12}  {'speed-up':>8}")
+    _print_times(rows, cuda, args.steps - args.steps // 2)
+
+
+def _print_times(rows: list, cuda: bool, timed: int) -> None:
+    print(f"\ndecode step time, ms: median (p10-p90) of {timed} steps")
+    if not cuda:  # nothing is graphed here: a ratio would only measure the machine's noise
+        print("  no CUDA graphs on CPU: the pieces run compiled, un-graphed; no ratio is claimed here")
+        print(f"  {'batch':>5}  {'eager':>21}  {'compiled':>21}")
+        for batch, eager, compiled in rows:
+            print(f"  {batch:5d}  {_spread(eager):>21}  {_spread(compiled):>21}")
+        return
+    print(f"  {'batch':>5}  {'eager':>21}  {'piecewise':>21}  {'speed-up':>8}")
     for batch, eager, piecewise in rows:
-        print(f"  {batch:5d}  {eager:9.2f}  {piecewise:12.2f}  {eager / piecewise:7.2f}x")
+        ratio = statistics.median(eager) / statistics.median(piecewise)
+        print(f"  {batch:5d}  {_spread(eager):>21}  {_spread(piecewise):>21}  {ratio:7.2f}x")
 
 
 if __name__ == "__main__":

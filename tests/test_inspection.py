@@ -50,7 +50,7 @@ def test_code_of_a_piece_and_what_inductor_made_of_it(llama_report):
 def test_table_text_and_html(llama_report):
     text = str(llama_report)
     assert text.startswith(f"graph {llama_report.serial}: 7 pieces (4 compute, 3 split/eager)")
-    assert "CUDA graphs: off: graphs need CUDA tensors" in text
+    assert "CUDA graphs off: graphs need CUDA tensors" in text
     html = llama_report._repr_html_()
     assert html.count("<tr") == 1 + len(llama_report.pieces) and "submod_3" in html
 
@@ -160,7 +160,9 @@ def test_report_says_how_each_attention_runs_and_why_not_in_the_graph(options, e
             decode_at_sizes(compiled, reference, (2, 3), start_pos=5)
     report = piecewise_backend.report(busiest_graph(start))
     assert {row["runs"] for row in report.attention} == expected and len(report.attention) == CFG.layers
-    assert f"attention: {CFG.layers} × {expected.pop()}" in str(report)
+    how = expected.pop()
+    said = "eager" if emulate is False else how  # graphs off: the headline gives the reason, once
+    assert f"attention: {CFG.layers} × {said}\n" in str(report) + "\n" and how.removeprefix("eager: ") in str(report)
     prefill = piecewise_backend.report(graphs_since(start)[0])  # the first graph compiled
     if emulate and not options:
         assert {r["runs"] for r in prefill.attention} == {"eager: its query has 5 positions, not one (a prefill)"}
@@ -201,3 +203,14 @@ def test_report_names_the_arguments_that_keep_attention_eager(dropout, named):
     assert row["runs"] == (
         f"eager: it passes {named} (the graph-safe kernel takes q, k, v, attn_mask, scale and enable_gqa alone)"
     ), row
+
+
+def test_the_report_names_a_missing_piece_and_never_cuts_a_reason(llama_report):
+    with pytest.raises(IndexError, match=r"no piece 99: graph \d+ has 7 pieces, 0 to 6"):
+        llama_report.piece(99)
+    with pytest.raises(KeyError, match="no piece 'submod_99'"):
+        llama_report.piece("submod_99")
+    text = str(llama_report)
+    for row in llama_report.rows():
+        assert str(row["what"]) in text  # whole, however long
+    assert "CUDA graphs: " not in text and "cpu.;" not in text

@@ -265,7 +265,7 @@ def test_a_piece_whose_compiled_code_raises_runs_its_traced_code_and_says_so():
     runner.fn = broken
     runner.captures.clear()  # the next call captures again, through the broken code
     graph.captured.clear()
-    graph._routes.clear()
+    graph.decisions.active.routes.clear()
     with pytest.warns(UserWarning, match="compiled code raised NameError.*runs that"):
         out = compiled(x)
     torch.testing.assert_close(out, model(x))
@@ -276,9 +276,9 @@ def test_a_piece_whose_compiled_code_raises_runs_its_traced_code_and_says_so():
 
 def test_a_failed_capture_is_tried_again_after_a_few_calls_and_then_replays(monkeypatch):
     model, compiled, start = _compiled_mlp()
-    from piecewise_backend.runtime import piece_runner
+    from piecewise_backend.runtime import piece_capture
 
-    real, failures = piece_runner.EmulatedGraph, []
+    real, failures = piece_capture.EmulatedGraph, []
 
     def flaky(fn, args, capture=None):  # the first capture fails, as one invalidated by another thread's work did
         if not failures:
@@ -286,7 +286,7 @@ def test_a_failed_capture_is_tried_again_after_a_few_calls_and_then_replays(monk
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
         return real(fn, args, capture)
 
-    monkeypatch.setattr(piece_runner, "EmulatedGraph", flaky)
+    monkeypatch.setattr(piece_capture, "EmulatedGraph", flaky)
     x = torch.randn(4, 16)
     with pytest.warns(UserWarning, match="capture at shape key .* failed"):
         torch.testing.assert_close(compiled(x), model(x))
@@ -307,12 +307,12 @@ def test_pieces_that_draw_random_numbers_are_known_at_compile_time():
 
 def test_a_failed_capture_warns_and_never_raises_where_eager_does_not(monkeypatch):
     model, compiled, start = _compiled_mlp()
-    from piecewise_backend.runtime import piece_runner
+    from piecewise_backend.runtime import piece_capture
 
     def always_fails(*args):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(piece_runner, "EmulatedGraph", always_fails)
+    monkeypatch.setattr(piece_capture, "EmulatedGraph", always_fails)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for _ in range(sum(capture_retries.WAITS) + 4):  # past both retries

@@ -385,3 +385,52 @@ def test_run_time_reads_no_config_and_evaluates_no_plan_method():
         and any(isinstance(c, ast.Attribute) and c.attr in ("xreplace", "subs", "evalf") for c in ast.walk(n))
     ]
     assert evaluating == []
+
+
+# -- one home for capture decisions ------------------------------------------------------------------
+
+#: The modules that state a per-call rule (sizes and budget, deferral, retries, traffic, ranks'
+#: agreement, weight sets) and the words a rule is spoken in. Only ``capture_decisions.py`` asks
+#: the rules; the executors (the compiled graph, full graphs, up-front capture) do what it says.
+DECISION_RULES = {"capture_policy", "capture_deferral", "capture_retries", "capture_traffic", "weight_sets"}
+DECIDER = "piecewise_backend.runtime.capture_decisions"
+
+
+def decision_rule_importers(graph: dict[str, set[str]]) -> list[str]:
+    """``a -> b`` for each run-time module other than the decider (and the rules' own modules)
+    that imports a rule module for more than the :class:`Route` value it is told."""
+    rules = {f"piecewise_backend.runtime.{r}" for r in DECISION_RULES}
+    found = []
+    for module, imported in sorted(graph.items()):
+        if module == DECIDER or module in rules or not module.startswith("piecewise_backend.runtime"):
+            continue
+        found += [f"{module} -> {t}" for t in sorted(imported & rules)]
+    return found
+
+
+def test_only_the_decider_asks_the_capture_rules():
+    graph = _graph()
+    assert {f"piecewise_backend.runtime.{r}" for r in ("capture_policy", "capture_traffic", "weight_sets")} <= graph[
+        DECIDER
+    ]
+    allowed = {"piecewise_backend.runtime.full_graph -> piecewise_backend.runtime.capture_policy"}  # Route, a value
+    assert set(decision_rule_importers(graph)) - allowed == set()
+    code = {t for _, t in _code_without_strings(PACKAGE / "runtime" / "compiled_graph.py")}  # names, not prose
+    rule_words = {"Miss", "CapturePolicy", "_retries", "_traffic", "agreed_refusal", "WeightSet", "is_grad_enabled"}
+    assert code & rule_words == set(), "compiled_graph.py states a rule"
+
+
+def test_the_decider_check_names_a_compiled_graph_that_asks_a_rule_itself():
+    """What the check says of the ``compiled_graph.py`` of ``dda5f7c`` (it asked retries and traffic inline)."""
+    graph = {
+        "piecewise_backend.runtime.compiled_graph": {
+            "piecewise_backend.runtime.capture_retries",
+            "piecewise_backend.runtime.capture_traffic",
+            "piecewise_backend.runtime.stats",
+        },
+        DECIDER: {"piecewise_backend.runtime.capture_policy"},
+    }
+    assert decision_rule_importers(graph) == [
+        "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_retries",
+        "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_traffic",
+    ]

@@ -83,6 +83,11 @@ class SplitReport:
     def piece(self, key: int | str) -> PieceInfo:
         """A piece by position or by name (``"submod_3"``)."""
         if isinstance(key, int):
+            if not -len(self.pieces) <= key < len(self.pieces):
+                raise IndexError(
+                    f"no piece {key}: graph {self.serial} has {len(self.pieces)} pieces, "
+                    f"0 to {len(self.pieces) - 1} (or a name: {self.pieces[0].name!r}, ...)"
+                )
             return self.pieces[key]
         for p in self.pieces:
             if p.name == key:
@@ -123,7 +128,7 @@ class SplitReport:
     def headline(self) -> str:
         s = self.graph.stats
         why = self.graph.graphs_disabled_reason
-        graphs = f"CUDA graphs: off: {why}" if why else f"CUDA graphs: on; padding: {s.padding}"
+        graphs = f"CUDA graphs off: {why}" if why else f"CUDA graphs on; padding: {s.padding}"
         return (
             f"graph {self.serial}: {s.num_pieces} pieces ({s.num_compute_pieces} compute, "
             f"{s.num_split_pieces} split/eager), {s.inductor_compiles} Inductor compiles; {graphs}"
@@ -132,14 +137,19 @@ class SplitReport:
     # -- rendering --------------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        short = [{k: (v if len(str(v)) <= 48 else str(v)[:45] + "...") for k, v in r.items()} for r in self.rows()]
+        # shapes are cut to fit a line; a reason ("what") never is: cut mid-sentence it would mislead
+        short = [
+            {k: (v if k == "what" or len(str(v)) <= 48 else str(v)[:45] + "...") for k, v in r.items()}
+            for r in self.rows()
+        ]
         return "\n".join([self.headline(), format_table(short), *self._attention_lines()])
 
     def _attention_lines(self) -> list[str]:
         """One line per way attention runs here, with how many calls run that way."""
         stats = self.graph.stats
         unsafe = [f"split at ops tagged cudagraph_unsafe: {', '.join(stats.unsafe_ops)}"] if stats.unsafe_ops else []
-        return unsafe + [f"attention: {n} × {how}" for how, n in stats.attention.items()]
+        off = f"eager: {self.graph.graphs_disabled_reason}"  # the headline says why already
+        return unsafe + [f"attention: {n} × {'eager' if how == off else how}" for how, n in stats.attention.items()]
 
     __repr__ = __str__
 

@@ -2,9 +2,10 @@
 or un-graphed. One object per compiled graph; the compiled graph asks it once per call and does
 what it is told.
 
-The questions, in the order a call asks them (:meth:`CaptureDecisions.weights_ready`, then
-:meth:`CaptureDecisions.route`):
+The questions, in the order a call asks them (:meth:`CaptureDecisions.graphs_allowed`,
+:meth:`CaptureDecisions.weights_ready`, then :meth:`CaptureDecisions.route`):
 
+0. **Graphs at all?** Not when the plan turned them off (why: ``stats``), nor under grad.
 1. **Which set of graphs?** The parameters' addresses choose the active :class:`WeightSet`
    (``weight_sets.py`` says why sets, and when a new one is refused); with collectives, all ranks
    agree (``distributed.py``). A refused set: un-graphed.
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+
+import torch
 
 from ..kinds import CaptureHow, GraphMode, Miss
 from . import messages
@@ -78,12 +81,33 @@ class CaptureDecisions:
         self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None
         self._names = plan.inputs.names
         self._pad = plan.key.pad_position
-        self._first = True  # the first piecewise route: up-front capture remembers, eager sizes are captured
+        self._first = True
+        self._graphs_off = plan.graphs_disabled_reason is not None
+        self._any_requires_grad = (
+            plan.inputs.any_requires_grad
+        )  # the first piecewise route: up-front capture remembers, eager sizes are captured
 
     @property
     def captured(self) -> set:
         """Shape keys with piecewise graphs, for the active set of weights."""
         return self.active.captured
+
+    # -- 0. graphs at all -----------------------------------------------------------------------------
+
+    def graphs_allowed(self) -> bool:
+        """May this call be graphed at all? Not when the plan turned graphs off, nor while its
+        inputs require grad under grad mode (CUDA graphs are for inference: warned once)."""
+        if self._graphs_off:
+            return False
+        if not (self._any_requires_grad and torch.is_grad_enabled()):
+            return True
+        self.warnings.once(
+            "grad",
+            "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
+            "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
+            "torch.inference_mode() to get graphs.",
+        )
+        return False
 
     # -- 1. which set of graphs -------------------------------------------------------------------
 

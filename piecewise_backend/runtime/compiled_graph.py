@@ -11,7 +11,7 @@ between the replays. Per call, in order:
 3. everything else is decided by :class:`~.capture_decisions.CaptureDecisions` (which set of
    graphs, full or piecewise, which key: replay, capture, ride, retry, replace, up front, or
    un-graphed with a counted reason): this module holds none of those rules, it does what the
-   :class:`~.capture_policy.Route` says;
+   ``Route`` (``capture_policy.py``) says;
 4. the runners are told through the step protocol (``StepState``) and the split graph runs, or a
    full graph is replayed or captured (``full_graph.py``).
 """
@@ -69,7 +69,6 @@ class CompiledGraph:
         self.step_scalars = StepScalars(plan.step_scalars) if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
-        self._any_requires_grad = plan.inputs.any_requires_grad
         self._shape_key = plan.key.of
         self._pad = plan.key.pad_position
         self._sdpa_backends = (
@@ -171,7 +170,7 @@ class CompiledGraph:
         if self.step_scalars is not None:
             args = self.step_scalars.refresh(args)  # positions of the KV writes moved into the graphs
         self.stats.calls += 1
-        if self._graphs_off or not self._grad_allows_graphs():
+        if not self.decisions.graphs_allowed():
             self._count_batch(args)
             return self._ungraphed(args)
         decisions = self.decisions
@@ -223,17 +222,6 @@ class CompiledGraph:
         """Run ``run()`` (the compute pieces on made-up inputs, ``up_front.py``) as the step that captures ``key``."""
         self.step.replay(key, key[self._pad], False)
         return self.capturing_step(key, CaptureHow.UP_FRONT, sym_values, run)
-
-    def _grad_allows_graphs(self) -> bool:
-        if not (self._any_requires_grad and torch.is_grad_enabled()):
-            return True
-        self.warn_once(
-            "grad",
-            "piecewise: inputs require grad and grad mode is on; CUDA graphs are for "
-            "inference, so this graph runs un-graphed. Call it under torch.no_grad() or "
-            "torch.inference_mode() to get graphs.",
-        )
-        return False
 
     # -- graph memory ---------------------------------------------------------------------------------
 

@@ -173,16 +173,24 @@ class GraphStats:
     def summary(self) -> str:
         lines = [
             f"pieces: {self.num_pieces} ({self.num_compute_pieces} compute, {self.num_split_pieces} split/eager); "
-            f"Inductor compiles: {self.inductor_compiles} in {self.inductor_seconds:.1f} s; calls: {self.calls}",
-            f"captures: {self.captures} for shape keys {sorted(self.captured_keys)} in "
-            f"{self.capture_seconds:.2f} s; graph pool {self.pool_bytes / 2**20:.1f} MiB; replays: {self.replays}; "
-            f"un-graphed runs: {self.ungraphed_runs}",
+            f"Inductor compiles: {self.inductor_compiles} in {self.inductor_seconds:.1f} s; calls: {self.calls}"
         ]
+        if self.graphs_disabled_reason:  # no capture line of zeros: say why, once, and what ran
+            lines.append(
+                f"CUDA graphs off: {self.graphs_disabled_reason}; pieces run compiled, un-graphed "
+                f"(piece runs: {self.ungraphed_runs})"
+            )
+        else:
+            lines.append(
+                f"captures: {self.captures} piece graphs for shape keys {sorted(self.captured_keys)} in "
+                f"{self.capture_seconds:.2f} s; graph pool {self.pool_bytes / 2**20:.1f} MiB; piece replays: "
+                f"{self.replays}; un-graphed piece runs: {self.ungraphed_runs}"
+            )
         if self.full_replays or self.full_fallbacks or self.full_failures:
             lines.append(self._full_summary())
-        if self.graphs_disabled_reason:
-            lines.append(f"CUDA graphs off: {self.graphs_disabled_reason}")
-        elif self.padding:  # without graphs nothing is padded: every batch runs at its own size
+        if (
+            self.padding and not self.graphs_disabled_reason
+        ):  # without graphs nothing is padded: every batch runs at its own size
             lines.append(f"padding: {self.padding}")
         if self.weight_sets > 1:
             replaced = f" ({self.weight_sets_replaced} replaced by newer ones)" if self.weight_sets_replaced else ""
@@ -200,7 +208,11 @@ class GraphStats:
         if self.unsafe_ops:
             lines.append(f"split at ops tagged cudagraph_unsafe: {', '.join(self.unsafe_ops)}")
         if self.attention:
-            lines.append("attention: " + "; ".join(f"{n} × {how}" for how, n in self.attention.items()))
+            off = f"eager: {self.graphs_disabled_reason}"
+            lines.append(
+                "attention: "
+                + "; ".join(f"{n} × {'eager' if how == off else how}" for how, n in self.attention.items())
+            )
         if self.eager_sdpa:
             lines.append(f"eager attention: {self.eager_sdpa}")
         for reason, count in self.misses.items():
