@@ -93,7 +93,108 @@ def pytest_summary(junit_paths: list[str]) -> dict:
     return {"passed": tests - failures - errors - skipped, "failed": failures + errors, "skipped": skipped}
 
 
-def main() -> None:
+def _stamped(key: str):
+    """The part's JSON, one object, under ``key``, stamped with the code hash."""
+
+    def merge(result: dict, data: dict, digest: str, file_hash) -> None:
+        result[key] = {**data, "code_hash": digest}
+
+    return merge
+
+
+def _suite(result: dict, suite: dict, digest: str, file_hash) -> None:
+    for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them
+        result.pop(stale, None)
+    result["decode"] = merge_rows(
+        result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest, file_hash
+    )
+    if "startup" in suite:
+        result["startup"] = merge_rows(
+            result.get("startup", []), suite["startup"], ("model", "variant", "start"), digest, file_hash
+        )
+    result["vs_limit"] = ratios_to_limit(result["decode"])
+    result["code_hash"] = digest
+
+
+def _hf(result: dict, hf: dict, digest: str, file_hash) -> None:
+    key = ("model", "layers", "cache", "batch", "variant")
+    second = [r for r in hf["hf"] if r["variant"].endswith("second-call")]  # hf_generate.SECOND_CALL
+    others = [r for r in hf["hf"] if not r["variant"].endswith("second-call")]
+    result["hf"] = merge_rows(result.get("hf", []), others, key, digest)
+    if second:
+        result["hf_second_call"] = merge_rows(result.get("hf_second_call", []), second, key, digest)
+    result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
+
+
+def _serving(result: dict, data: dict, digest: str, file_hash) -> None:
+    rows = [{k: v for k, v in r.items() if k != "itl_over_time"} for r in data["serving"]]
+    if rows:
+        result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
+
+
+def _replace_keys(result: dict, data: dict, digest: str, file_hash) -> None:
+    """Each key's rows, from one run, replace the key's (graph_memory.py: estimate or sweep)."""
+    for key, rows in data.items():
+        result[key] = [{**r, "code_hash": digest} for r in rows]
+
+
+def _hf_startup(result: dict, data: dict, digest: str, file_hash) -> None:
+    unset = {"specialize_float": False}  # rows from before the option: torch's default
+    result["hf_startup"] = merge_rows(
+        [{**unset, **r} for r in result.get("hf_startup", [])],
+        [{**unset, **r} for r in data["hf_startup"]],
+        ("model", "layers", "cache", "specialize_float"),
+        digest,
+    )
+
+
+def _seed_workload(result: dict, seed: dict, digest: str, file_hash) -> None:
+    result["seed_workload"] = merge_rows(
+        result.get("seed_workload", []), seed.get("seed_workload", []), ("variant",), digest
+    )
+    result["concurrency"] = merge_rows(
+        result.get("concurrency", []), seed.get("concurrency", []), ("variant", "in_flight"), digest
+    )
+    result["seed_vllm"] = seed["seed_vllm"]
+
+
+def _start_up(result: dict, data: dict, digest: str, file_hash) -> None:
+    rows = [{"model": "engine, Qwen2.5-1.5B dims", "start": "process", **r} for r in data["startup"]]
+    result["startup"] = merge_rows(result.get("startup", []), rows, ("model", "variant", "start"), digest)
+
+
+def _graph_kernels(result: dict, rows: list, digest: str, file_hash) -> None:
+    result["graph_kernels"] = [{**row, "code_hash": digest} for row in rows]
+
+
+def _capture(result: dict, capture: dict, digest: str, file_hash) -> None:
+    for key in ("capture", "memory"):
+        result[key] = {**capture[key], "code_hash": digest}
+
+
+#: option -> (what it takes, how its JSON joins the results). One row per benchmark; ``--junit``
+#: (several files, summed) is the one part read otherwise.
+PARTS = {
+    "capture": ("capture_cost.py's JSON (capture and memory)", _capture),
+    "suite": ("suite.py's JSON (decode rows, start-up rows)", _suite),
+    "host": ("host_breakdown.py's JSON", _stamped("host_breakdown")),
+    "ab": ("ab_kv_writes.py's JSON", _stamped("ab_kv_writes")),
+    "fuzz": ("the GPU fuzz run's JSON (python -m tests.fuzz)", _stamped("fuzz")),
+    "moved-weights": ("moved_weights.py's JSON", _stamped("moved_weights")),
+    "hf": ("hf_generate.py's JSON", _hf),
+    "kernel": ("attention_kernel.py's JSON", _stamped("attention_kernel")),
+    "graph-kernels": ("graph_kernels.py's JSON (replaces the key's rows)", _graph_kernels),
+    "threads": ("threads.py's JSON", _stamped("threads")),
+    "serving": ("serving.py's JSON (rows without their ITL series)", _serving),
+    "graph-memory": ("graph_memory.py's JSON (graph_memory_estimate or graph_memory_sweep)", _replace_keys),
+    "entry": ("dynamo_entry.py's JSON", _stamped("dynamo_entry")),
+    "hf-startup": ("hf_startup.py's JSON", _hf_startup),
+    "seed-workload": ("seed_workload.py's JSON (seed_workload and concurrency rows)", _seed_workload),
+    "start-up": ("start_up.py's JSON (the engine's start-up routes, into \"startup\")", _start_up),
+}
+
+
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--junit", nargs="+", help="pytest JUnit XML files (summed)")
     parser.add_argument("--tests-selection", help="with --junit: which tests ran, when not all (pytest's -m/-k)")
@@ -103,25 +204,23 @@ def main() -> None:
         help="with --junit: how many tests were meant to run; those without a result (a shard "
         "cut by its timeout) are recorded as not_run, and the part fails",
     )
-    parser.add_argument("--capture")
-    parser.add_argument("--suite")
-    parser.add_argument("--host", help="host_breakdown.py's JSON")
-    parser.add_argument("--ab", help="ab_kv_writes.py's JSON")
-    parser.add_argument("--fuzz", help="the GPU fuzz run's JSON (python -m tests.fuzz)")
-    parser.add_argument("--moved-weights", help="moved_weights.py's JSON")
-    parser.add_argument("--hf", help="hf_generate.py's JSON")
-    parser.add_argument("--kernel", help="attention_kernel.py's JSON")
-    parser.add_argument("--graph-kernels", help="graph_kernels.py's JSON (replaces the key's rows)")
-    parser.add_argument("--threads", help="threads.py's JSON")
-    parser.add_argument("--serving", help="serving.py's JSON (rows without their ITL series)")
-    parser.add_argument("--graph-memory", help="graph_memory.py's JSON (graph_memory_estimate or graph_memory_sweep)")
-    parser.add_argument("--entry", help="dynamo_entry.py's JSON")
-    parser.add_argument("--hf-startup", help="hf_startup.py's JSON")
-    parser.add_argument("--seed-workload", help="seed_workload.py's JSON (seed_workload and concurrency rows)")
-    parser.add_argument("--start-up", help="start_up.py's JSON (the engine's start-up routes, into \"startup\")")
+    for option, (what, _) in PARTS.items():
+        parser.add_argument(f"--{option}", help=what)
     parser.add_argument("--out", required=True)
     parser.add_argument("--previous", default=str(ROOT / "benchmarks/results/h200.json"))
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _tests(result: dict, args, digest: str) -> None:
+    selection = {"selection": args.tests_selection} if args.tests_selection else {}
+    result["tests"] = {**pytest_summary(args.junit), **selection, "code_hash": digest}
+    if args.tests_collected is not None:
+        ran = sum(result["tests"][k] for k in ("passed", "failed", "skipped"))
+        result["tests"]["not_run"] = max(0, args.tests_collected - ran)
+
+
+def main() -> None:
+    args = _arguments()
     prev = pathlib.Path(args.previous)
     result = json.loads(prev.read_text()) if prev.exists() else {}
     digest = code_hash()
@@ -137,87 +236,11 @@ def main() -> None:
     given = (("tests", args.junit), ("suite", args.suite), ("host", args.host))
     drop_stale_notes(result, digest, {part for part, path in given if path})
     if args.junit:
-        selection = {"selection": args.tests_selection} if args.tests_selection else {}
-        result["tests"] = {**pytest_summary(args.junit), **selection, "code_hash": digest}
-        if args.tests_collected is not None:
-            result["tests"]["not_run"] = max(
-                0, args.tests_collected - sum(result["tests"][k] for k in ("passed", "failed", "skipped"))
-            )
-    if args.suite:
-        suite = json.loads(pathlib.Path(args.suite).read_text())
-        for stale in ("piecewise_decode_graph", "process"):  # decode_step.py's keys: the suite's rows replace them
-            result.pop(stale, None)
-        result["decode"] = merge_rows(
-            result.get("decode", []), suite["decode"], ("model", "variant", "batch"), digest, file_hash
-        )
-        if "startup" in suite:
-            result["startup"] = merge_rows(
-                result.get("startup", []), suite["startup"], ("model", "variant", "start"), digest, file_hash
-            )
-        result["vs_limit"] = ratios_to_limit(result["decode"])
-        result["code_hash"] = digest
-    if args.host:
-        result["host_breakdown"] = {**json.loads(pathlib.Path(args.host).read_text()), "code_hash": digest}
-    if args.ab:
-        result["ab_kv_writes"] = {**json.loads(pathlib.Path(args.ab).read_text()), "code_hash": digest}
-    if args.fuzz:
-        result["fuzz"] = {**json.loads(pathlib.Path(args.fuzz).read_text()), "code_hash": digest}
-    if args.moved_weights:
-        result["moved_weights"] = {**json.loads(pathlib.Path(args.moved_weights).read_text()), "code_hash": digest}
-    if args.hf:
-        hf = json.loads(pathlib.Path(args.hf).read_text())
-        key = ("model", "layers", "cache", "batch", "variant")
-        second = [r for r in hf["hf"] if r["variant"].endswith("second-call")]  # hf_generate.SECOND_CALL
-        others = [r for r in hf["hf"] if not r["variant"].endswith("second-call")]
-        result["hf"] = merge_rows(result.get("hf", []), others, key, digest)
-        if second:
-            result["hf_second_call"] = merge_rows(result.get("hf_second_call", []), second, key, digest)
-        result["hf_versions"] = {k: hf[k] for k in ("torch", "transformers")}
-    if args.threads:
-        result["threads"] = {**json.loads(pathlib.Path(args.threads).read_text()), "code_hash": digest}
-    if args.serving:
-        rows = [
-            {k: v for k, v in r.items() if k != "itl_over_time"}
-            for r in json.loads(pathlib.Path(args.serving).read_text())["serving"]
-        ]
-        if rows:
-            result["serving"] = merge_rows(result.get("serving", []), rows, ("variant", "start"), digest)
-    if args.graph_memory:
-        for key, rows in json.loads(pathlib.Path(args.graph_memory).read_text()).items():
-            result[key] = [{**r, "code_hash": digest} for r in rows]  # one run's rows replace the key's
-    if args.hf_startup:
-        rows = json.loads(pathlib.Path(args.hf_startup).read_text())["hf_startup"]
-        unset = {"specialize_float": False}  # rows from before the option: torch's default
-        result["hf_startup"] = merge_rows(
-            [{**unset, **r} for r in result.get("hf_startup", [])],
-            [{**unset, **r} for r in rows],
-            ("model", "layers", "cache", "specialize_float"),
-            digest,
-        )
-    if args.seed_workload:
-        seed = json.loads(pathlib.Path(args.seed_workload).read_text())
-        result["seed_workload"] = merge_rows(
-            result.get("seed_workload", []), seed.get("seed_workload", []), ("variant",), digest
-        )
-        result["concurrency"] = merge_rows(
-            result.get("concurrency", []), seed.get("concurrency", []), ("variant", "in_flight"), digest
-        )
-        result["seed_vllm"] = seed["seed_vllm"]
-    if args.start_up:
-        rows = json.loads(pathlib.Path(args.start_up).read_text())["startup"]
-        rows = [{"model": "engine, Qwen2.5-1.5B dims", "start": "process", **r} for r in rows]
-        result["startup"] = merge_rows(result.get("startup", []), rows, ("model", "variant", "start"), digest)
-    if args.entry:
-        result["dynamo_entry"] = {**json.loads(pathlib.Path(args.entry).read_text()), "code_hash": digest}
-    if args.kernel:
-        result["attention_kernel"] = {**json.loads(pathlib.Path(args.kernel).read_text()), "code_hash": digest}
-    if args.graph_kernels:
-        rows = json.loads(pathlib.Path(args.graph_kernels).read_text())
-        result["graph_kernels"] = [{**row, "code_hash": digest} for row in rows]
-    if args.capture:
-        capture = json.loads(pathlib.Path(args.capture).read_text())
-        for key in ("capture", "memory"):
-            result[key] = {**capture[key], "code_hash": digest}
+        _tests(result, args, digest)
+    for option, (_, merge) in PARTS.items():
+        path = getattr(args, option.replace("-", "_"))
+        if path:
+            merge(result, json.loads(pathlib.Path(path).read_text()), digest, file_hash)
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "decode"}, indent=1))
 

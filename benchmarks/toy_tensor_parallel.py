@@ -8,13 +8,12 @@ batch 1 and 8 (one JSON line per rank and batch).
 from __future__ import annotations
 
 import json
-import os
 
 import torch
 
 from benchmarks.timing import time_decode
 from toys.models import BENCHMARK_SIZES, ToyConfig, sdpa_backends
-from toys.parallel import MULTICAST_OFF, decode_check, toy_and_shard
+from toys.parallel import as_rank, decode_check, toy_and_shard
 
 
 def time_check(
@@ -45,26 +44,14 @@ def time_check(
     return row
 
 
+def _checks(rank: int, world: int, device: str) -> None:
+    print(json.dumps(decode_check(rank, world, device)), flush=True)
+    for batch in (1, 8):
+        print(json.dumps(time_check(rank, world, device, batch=batch)), flush=True)
+
+
 def main() -> None:
-    import torch.distributed as dist
-
-    for name, value in MULTICAST_OFF.items():
-        os.environ.setdefault(name, value)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    try:
-        print(json.dumps(decode_check(rank, world, device)), flush=True)
-        for batch in (1, 8):
-            print(json.dumps(time_check(rank, world, device, batch=batch)), flush=True)
-    finally:
-        # NCCL's destroy waits for every graph that captured its collectives to be destroyed
-        import piecewise_backend
-
-        piecewise_backend.release_graphs()
-        dist.destroy_process_group()
+    as_rank(_checks)
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ class PiecewiseConfig:
         graph_attention: replace decode SDPA over a growing prefix of a cache buffer
             (``sdpa(q, k_cache[:B, :, :pos + 1], ...)``, one query position) with a graph-safe
             attention that reads the length from the device (``graph_attention.py``): no eager
-            attention, so a decode step is one graph. On by default since it won at every batch
-            on the H200; ``False`` keeps decode attention eager between the pieces (SDPA's own
+            attention, so a decode step is one graph. On by default (why: ``benchmarks/README.md``,
+            "Measurement history"); ``False`` keeps decode attention eager between the pieces (SDPA's own
             kernels), as for prefill and any attention it does not match.
         compiler: what a compute piece runs, as ``torch.compile(backend=...)`` names it.
             ``"inductor"``: Inductor's code (the fastest steps; compiling is most of a cold start).

@@ -231,9 +231,10 @@ def test_the_next_decode_position_is_written_ahead_of_its_call(one_graph_decode,
 
     monkeypatch.setattr(StepScalars, "refresh", logged_refresh)
     monkeypatch.setattr(StepScalars, "_write", logged_write)
-    with torch.no_grad():
+    with torch.no_grad(), pytest.warns(UserWarning, match="are at new addresses") as said:  # reset caches: new ones
         got = llama_decode(compiled, compiled._orig_mod, batch=2, prompt=5, new_tokens=7)
         want = llama_decode(reference, reference, batch=2, prompt=5, new_tokens=7)
+    assert all("are at new addresses" in str(w.message) for w in said)
     assert_close_steps(got, want)
     j = next(j for j, s in enumerate(scalars.slots) if s.high == CFG.max_seq - 1)  # pos (the other: the batch)
     calls = [i for i, (kind, _) in enumerate(log) if kind == "call"]

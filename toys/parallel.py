@@ -166,15 +166,14 @@ def decode_check(
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``torchrun --nproc-per-node N -m toys.parallel``: one JSON line per rank (the decode check;
-    ``python -m benchmarks.toy_tensor_parallel`` times the shard)."""
-    import argparse
-
+def as_rank(work) -> None:
+    """Under ``torchrun``: join the process group (NCCL on CUDA, gloo on CPU; multicast off), call
+    ``work(rank, world, device)``, then release the graphs and leave the group (NCCL's destroy waits
+    for every graph that captured its collectives to be destroyed)."""
     import torch.distributed as dist
 
-    parser = argparse.ArgumentParser(prog="python -m toys.parallel")
-    parser.parse_args(argv)
+    import piecewise_backend
+
     for name, value in MULTICAST_OFF.items():
         os.environ.setdefault(name, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -183,13 +182,19 @@ def main(argv: list[str] | None = None) -> None:
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
-        print(json.dumps(decode_check(rank, world, device)), flush=True)
+        work(rank, world, device)
     finally:
-        # NCCL's destroy waits for every graph that captured its collectives to be destroyed
-        import piecewise_backend
-
         piecewise_backend.release_graphs()
         dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``torchrun --nproc-per-node N -m toys.parallel``: one JSON line per rank (the decode check;
+    ``python -m benchmarks.toy_tensor_parallel`` times the shard)."""
+    import argparse
+
+    argparse.ArgumentParser(prog="python -m toys.parallel").parse_args(argv)
+    as_rank(lambda rank, world, device: print(json.dumps(decode_check(rank, world, device)), flush=True))
 
 
 if __name__ == "__main__":

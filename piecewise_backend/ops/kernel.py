@@ -14,23 +14,8 @@ The launch is fixed per shape, never per live length (a captured graph cannot fo
 and a decode's live prefix is usually a fraction of its buffer, so chunks sized for a full buffer
 leave most programs idle. Each program therefore takes one block of keys (``block`` of them,
 by the number of (row, head) pairs) and runs as one warp; only buffers longer than
-``MAX_SPLITS`` blocks get chunks of several blocks. Measured on the H200 (bf16, 16 heads, head dim
-64, µs per call in a CUDA graph, merge included; 300 live keys of 336):
-
-    ======================  ========  ========  =========
-    batch                   1         8         32
-    ======================  ========  ========  =========
-    SDPA (torch's choice)   5.2       5.6       10.1
-    before (4 warps, 2      4.9       7.1       17.7
-    programs per SM)
-    block 16, 1 warp        **4.2**   6.0       12.6
-    block 64, 1 warp        5.1       **5.9**   12.6
-    block 128, 1 warp       6.8       7.1       **10.1**
-    ======================  ========  ========  =========
-
-At batch 32 with 1,000 live keys: 37.8 (block 128) against SDPA's 33.9 and 51.9 before. More warps
-per program lose because a block's two reductions (over the head dim, then over the keys) cross
-warps through shared memory.
+``MAX_SPLITS`` blocks get chunks of several blocks. More warps per program lose: a block's two reductions (over the head dim, then over the keys) cross
+warps through shared memory (the block sizes measured: ``benchmarks/README.md``, "Measurement history").
 """
 
 from __future__ import annotations

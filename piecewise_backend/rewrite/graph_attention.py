@@ -10,13 +10,8 @@ without Triton, the memory-efficient kernel in its variable-length form with ``s
 length``. Both stop at the live prefix (their cost follows the live length, not the buffer's) and
 launch the same way at every step. It can be captured, so the decode step becomes one graph.
 
-Measured on the H200, 16 layers: with the memory-efficient kernel (one thread block per row and
-head) it was 10% faster than the default at batch 32, even at 8 and 5% slower at batch 1, likely
-from that kernel's few blocks; hence the split-key kernel. With it (one run, one variant at a time)
-1.29×, 1.35× and 1.23× the limit at batch 1, 8 and 32, against the default's 1.52×, 1.30× and
-1.49×; interleaved with every variant at batch 1, 1.26× against 1.37×. The bar for making it the
-default was to win at every batch in one interleaved run; it did (code hash ``3c7e8e89…``: 1.11×,
-1.21×, 1.21× against 1.24×, 1.33×, 1.38×), so it is on by default. ``graph_attention=False``
+It is on by default: it won at every batch in one interleaved run (the numbers: ``benchmarks/README.md``,
+"Measurement history"). ``graph_attention=False``
 gives the eager-attention split back (SDPA's own kernels between the pieces).
 
 Rewritten: SDPA calls whose query has one position, with no dropout or causal flag (a ``scale``

@@ -1,12 +1,10 @@
 """Lazy capture waits for a size to come back while a larger captured graph can serve it.
 
-Why, measured (``benchmarks/serving.py``, H200, Qwen2.5-1.5B's dimensions, 200 requests under
-continuous batching, 616 steps): a mixed step's token count is whatever the prefill chunks leave,
-so the steps touched 58 of the 67 capture sizes, 45 of them at most 3 times. Captured at their
-first call, each stalled its step by 60-90 ms for every request in the batch: the run's
-inter-token p99 was 70-78 ms against 14 ms with every size captured up front. A padded replay of
-a larger captured graph stalls nothing; it costs the padded rows' compute, little in a decode step
-(the weights are read once whatever the rows). The serving rows say what it came to (``rides``).
+Why: a mixed step's token count is whatever the prefill chunks leave, so a serving run touches most
+capture sizes, most of them a few times; captured at first call, each stalls its step for every
+request in the batch. A padded replay of a larger captured graph stalls nothing; it costs the padded
+rows' compute, little in a decode step (the weights are read once whatever the rows). The
+measurement that decided it: ``benchmarks/README.md``, "Measurement history".
 
 So a size whose padded bucket is not captured rides the smallest larger captured graph (padded,
 within the rows the graph may pad to), and its bucket is captured once it has come often enough

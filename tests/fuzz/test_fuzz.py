@@ -5,6 +5,8 @@ Bounded to a few minutes on two cores (each model costs an Inductor compile or t
 memory over 10,000 replays.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -15,10 +17,27 @@ CAPTURE_SIZES = [1, 2, 4, 8, 12]  # batch sizes are drawn up to 14: above the la
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
 
+#: What the backend says while fuzzing, on purpose: the fuzzer swaps weights (new graphs for them).
+EXPECTED_WARNINGS = ("are at new addresses",)
+
+
 @pytest.fixture(scope="module")
-def fuzzed():
-    with torch.no_grad():
-        return fuzz(SEEDS, steps=10, max_batch=14, options={"capture_sizes": CAPTURE_SIZES})
+def fuzzed_and_warned():
+    with torch.no_grad(), warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        result = fuzz(SEEDS, steps=10, max_batch=14, options={"capture_sizes": CAPTURE_SIZES})
+    return result, [str(w.message) for w in said if "piecewise" in str(w.message)]
+
+
+@pytest.fixture(scope="module")
+def fuzzed(fuzzed_and_warned):
+    return fuzzed_and_warned[0]
+
+
+def test_the_backend_warns_only_of_what_the_fuzzer_does_on_purpose(fuzzed_and_warned):
+    result, said = fuzzed_and_warned
+    assert result.weight_swaps > 0 and any(EXPECTED_WARNINGS[0] in m for m in said)
+    assert [m for m in said if not any(e in m for e in EXPECTED_WARNINGS)] == []
 
 
 def test_random_models_match_eager_at_every_step(fuzzed):
