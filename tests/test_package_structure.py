@@ -434,3 +434,34 @@ def test_the_decider_check_names_a_compiled_graph_that_asks_a_rule_itself():
         "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_retries",
         "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_traffic",
     ]
+
+
+# -- the benchmarks are a package; the toys stand on their own --------------------------------------
+
+ROOT = PACKAGE.parent
+
+
+def _imported_roots(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and not n.level}
+    return {name.split(".")[0] for name in names}
+
+
+def test_nothing_under_toys_imports_the_benchmarks():
+    assert [p.name for p in sorted((ROOT / "toys").glob("*.py")) if "benchmarks" in _imported_roots(p)] == []
+
+
+def test_every_benchmark_runs_as_a_module_of_the_package():
+    """``python -m benchmarks.<name>``: no benchmark edits ``sys.path`` or imports a sibling as a
+    top-level module (the three ways the flat scripts had)."""
+    bench = ROOT / "benchmarks"
+    assert (bench / "__init__.py").exists()
+    siblings = {p.stem for p in bench.glob("*.py")}
+    found = []
+    for path in sorted(bench.glob("*.py")):
+        code = "".join(t for _, t in _code_without_strings(path))
+        if "sys.path.insert" in code.replace("\n", "") or "syspath.insert" in code:
+            found.append(f"{path.name}: edits sys.path")
+        found += [f"{path.name}: imports {m} as a top-level module" for m in _imported_roots(path) & siblings]
+    assert found == []
