@@ -2,8 +2,9 @@
 
 Read when a graph is planned (``making.py``): a graph compiled inside ``with emulated_graphs():``
 gets runners as on CUDA, whose graphs ``runtime/emulation.py``'s :class:`EmulatedGraph` stands in
-for. For tests and benchmarks of this package, not for users (emulation is slower than running
-the pieces plainly).
+for. For tests, benchmarks and the notebooks of this package, not for users (emulation is slower
+than running the pieces plainly; the README leaves it out). The choice is made when a graph is
+compiled: a graph Dynamo compiles again after the block (a new shape it guards on) does not emulate.
 """
 
 from __future__ import annotations
