@@ -148,8 +148,7 @@ class SplitReport:
         """One line per way attention runs here, with how many calls run that way."""
         stats = self.graph.stats
         unsafe = [f"split at ops tagged cudagraph_unsafe: {', '.join(stats.unsafe_ops)}"] if stats.unsafe_ops else []
-        off = f"eager: {self.graph.graphs_disabled_reason}"  # the headline says why already
-        return unsafe + [f"attention: {n} × {'eager' if how == off else how}" for how, n in stats.attention.items()]
+        return unsafe + [f"attention: {way}" for way in stats.attention_ways()]  # the headline says why graphs are off
 
     __repr__ = __str__
 

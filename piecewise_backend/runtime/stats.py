@@ -188,9 +188,8 @@ class GraphStats:
             )
         if self.full_replays or self.full_fallbacks or self.full_failures:
             lines.append(self._full_summary())
-        if (
-            self.padding and not self.graphs_disabled_reason
-        ):  # without graphs nothing is padded: every batch runs at its own size
+        # without graphs nothing is padded: every batch runs at its own size
+        if self.padding and not self.graphs_disabled_reason:
             lines.append(f"padding: {self.padding}")
         if self.weight_sets > 1:
             replaced = f" ({self.weight_sets_replaced} replaced by newer ones)" if self.weight_sets_replaced else ""
@@ -208,11 +207,7 @@ class GraphStats:
         if self.unsafe_ops:
             lines.append(f"split at ops tagged cudagraph_unsafe: {', '.join(self.unsafe_ops)}")
         if self.attention:
-            off = f"eager: {self.graphs_disabled_reason}"
-            lines.append(
-                "attention: "
-                + "; ".join(f"{n} × {'eager' if how == off else how}" for how, n in self.attention.items())
-            )
+            lines.append("attention: " + "; ".join(self.attention_ways()))
         if self.eager_sdpa:
             lines.append(f"eager attention: {self.eager_sdpa}")
         for reason, count in self.misses.items():
@@ -221,6 +216,12 @@ class GraphStats:
             for reason in p.failures:
                 lines.append(f"{p.name}: {reason}")
         return "\n".join(lines)
+
+    def attention_ways(self) -> list[str]:
+        """``"N × how"`` per way attention runs here; graphs off, plain "eager" (the reason is said
+        once, where graphs being off is)."""
+        off = f"eager: {self.graphs_disabled_reason}"
+        return [f"{n} × {'eager' if how == off else how}" for how, n in self.attention.items()]
 
     def _full_summary(self) -> str:
         sizes = sorted((size, n) for (mode, size), n in self.graph_calls.items() if mode == GraphMode.FULL)
