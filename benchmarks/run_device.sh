@@ -56,7 +56,7 @@ python -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/pip.log" 2>&
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
 # one results file per kind of GPU: the machines lent differ from call to call, and a ratio is only
 # quoted between rows of one GPU
-GPU=$(cd benchmarks && python -c "import record; print(record.gpu_slug())") || exit 1
+GPU=$(python -c "from benchmarks import record; print(record.gpu_slug())") || exit 1
 RESULTS=benchmarks/results/$GPU.json
 TP_RESULTS=benchmarks/results/h200x2_tensor_parallel.json  # the two-GPU parts' (tp-tests, tp-hf)
 RECORDED=$OUT/$GPU.json
@@ -98,7 +98,7 @@ case "$part" in
     python -m benchmarks.capture_cost --out "$OUT/capture.json" 2>&1 | tee "$OUT/capture.log" | grep -v Warning
     record --capture "$OUT/capture.json" ;;
   host)
-    (cd benchmarks && python host_breakdown.py --json "$OUT/host.json" "$@") 2>&1 | grep -v Warning | tee "$OUT/host.log"
+    python -m benchmarks.host_breakdown --json "$OUT/host.json" "$@" 2>&1 | grep -v Warning | tee "$OUT/host.log"
     record --host "$OUT/host.json" ;;
   suite)
     # the suite saves each row as it goes: a run cut short by the timeout still records what it measured
@@ -167,10 +167,10 @@ case "$part" in
     python -m benchmarks.dynamo_entry --out "$OUT/entry.json" "$@" 2>&1 | grep '^{'
     record --entry "$OUT/entry.json" ;;
   kernel)
-    (cd benchmarks && python attention_kernel.py --json "$OUT/kernel.json") 2>&1 | grep -v Warning | tee "$OUT/kernel.log"
+    python -m benchmarks.attention_kernel --json "$OUT/kernel.json" 2>&1 | grep -v Warning | tee "$OUT/kernel.log"
     record --kernel "$OUT/kernel.json" ;;
   graph-kernels)
-    (cd benchmarks && timeout "${SUITE_TIMEOUT:-540}" python graph_kernels.py --json "$OUT/graph_kernels.json" "$@") \
+    timeout "${SUITE_TIMEOUT:-540}" python -m benchmarks.graph_kernels --json "$OUT/graph_kernels.json" "$@" \
       2>&1 | grep -v Warning | tee "$OUT/graph_kernels.log"
     record --graph-kernels "$OUT/graph_kernels.json" ;;
   tp-tests)
@@ -184,7 +184,7 @@ case "$part" in
     # fp32 first (eager and piecewise-static: tokens against one process), then bf16 (TP_VARIANTS: ms per
     # token, with the fp32 run's agreement); each run under SUITE_TIMEOUT, its rows written as they come
     tp_run() { timeout "${SUITE_TIMEOUT:-270}" torchrun --standalone --nproc-per-node 2 \
-      benchmarks/hf_tensor_parallel.py "$@" 2>&1 | tee -a "$OUT/tp_hf.log" | grep '^{'; }
+      -m benchmarks.hf_tensor_parallel "$@" 2>&1 | tee -a "$OUT/tp_hf.log" | grep '^{'; }
     tp_run --out "$OUT/tp_fp32.json" --dtype float32 --variants eager piecewise-static "$@"
     # shellcheck disable=SC2086  # TP_VARIANTS: several words
     tp_run --out "$OUT/tp_bf16.json" --dtype bfloat16 --agreement-from "$OUT/tp_fp32.json" "$@" \

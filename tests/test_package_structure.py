@@ -464,4 +464,13 @@ def test_every_benchmark_runs_as_a_module_of_the_package():
         if "sys.path.insert" in code.replace("\n", "") or "syspath.insert" in code:
             found.append(f"{path.name}: edits sys.path")
         found += [f"{path.name}: imports {m} as a top-level module" for m in _imported_roots(path) & siblings]
+    by_path = re.compile(
+        r"cd benchmarks\b|(python3?|torchrun[^\n]*?)\s+(benchmarks/)?\w+\.py\b|^\s*benchmarks/\w+\.py\b"
+    )
+    for script in sorted(bench.glob("*.sh")):  # the device scripts run them the same way
+        found += [
+            f"{script.name}:{n}: {line.strip()}"
+            for n, line in enumerate(script.read_text().splitlines(), 1)
+            if by_path.search(line) and not line.lstrip().startswith("#")
+        ]
     assert found == []

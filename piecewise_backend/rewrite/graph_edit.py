@@ -61,7 +61,8 @@ class Idiom:
 
 def static_getitem(node, static_names) -> tuple[torch.fx.Node, tuple] | None:
     """(buffer, index as a tuple) if ``node`` is ``buffer[index]`` of a parameter/buffer placeholder
-    (a name in ``static_names``); None otherwise. Every idiom's sites start from this match."""
+    (a name in ``static_names``); None otherwise. The reads', the attention's and the prefix views'
+    sites start from this match."""
     if not (isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target is operator.getitem):
         return None
     buffer, index = node.args
@@ -71,8 +72,8 @@ def static_getitem(node, static_names) -> tuple[torch.fx.Node, tuple] | None:
 
 
 def step_dims_bounds(site: Site, slots, what: str) -> None:
-    """A site's per-step dims stay inside its buffer (``pos + n <= size``); with ``prefix``,
-    a prefix that stops at a graph value too."""
+    """A site's per-step dims stay inside its buffer (``pos + n <= size``); a write's prefix that
+    stops at a graph value too (a read's prefix is a slice: it needs no bound)."""
     shape = facts.example_value(site.buffer).shape
     for d, dim in enumerate(site.dims):
         if dim[0] == Dim.STEP:
