@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 
 WORLD = 2
 ROOT = pathlib.Path(__file__).resolve().parents[1]  # the repository: toys/ and benchmarks/
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD)]
 
 
 def _free_port() -> int:
@@ -187,12 +188,7 @@ def test_a_hugging_face_model_under_its_own_tp_plan_gives_the_whole_models_token
     pytest.importorskip("accelerate")  # transformers needs it for tp_plan
     out = tmp_path / "tp.json"
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(WORLD),
+        *TORCHRUN,
         "-m",
         "benchmarks.hf_tensor_parallel",
         "--out",
@@ -233,12 +229,7 @@ def test_two_gpus_capture_nccl_all_reduces_and_give_the_whole_models_logits():
     from toys.parallel import MULTICAST_OFF
 
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(WORLD),
+        *TORCHRUN,
         "-m",
         "toys.parallel",
     ]
