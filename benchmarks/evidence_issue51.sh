@@ -15,16 +15,19 @@ done
 wait
 echo "tests $(( $(date +%s) - T0 )) s"
 R=benchmarks/results/h200.json
+python -m benchmarks.record --previous $R --out $W/rt.json --junit $W/junit_*.xml --tests-selection \
+  "-m cuda in the test files evidence_issue50.sh does not run: 2 processes at once" > $W/rec.log 2>&1 && R=$W/rt.json
+cp $R $OUT/h200.json  # partial results survive the call's 600 s limit
 for variants in "limit dynamo-floor" "piecewise piecewise-skip-guards"; do
   for model in 16L 16L-whole-cache; do
-    timeout 130 python -m benchmarks.suite --out $W/suite.json --variants $variants --models $model --rounds 3 \
+    left=$(( 570 - ($(date +%s) - T0) )); [ $left -gt 150 ] && left=150; [ $left -lt 30 ] && { echo "no time left for $model $variants"; continue; }
+    timeout $left python -m benchmarks.suite --out $W/suite.json --variants $variants --models $model --rounds 3 \
       --pause 0.3 --settle 2 > $W/suite_$model.log 2>&1
     python -m benchmarks.record --previous $R --out $W/r.json --suite $W/suite.json > /dev/null 2>&1 && cp $W/r.json $W/rs.json && R=$W/rs.json
+    cp $R $OUT/h200.json; echo "$model $variants $(( $(date +%s) - T0 )) s"
   done
 done
 echo "suite $(( $(date +%s) - T0 )) s"
-python -m benchmarks.record --previous $R --out $W/rt.json --junit $W/junit_*.xml --tests-selection \
-  "-m cuda in the test files evidence_issue50.sh does not run: 2 processes at once" > $W/rec.log 2>&1 && R=$W/rt.json
 cp $R $OUT/h200.json; tar czf $OUT/logs.tgz -C /tmp w51
 for f in $W/ct_*.log; do echo "-- $f"; grep -E "passed|failed|FAILED|ERROR" $f | cut -c1-300 | tail -6; done
 python -m benchmarks.plot $OUT/h200.json 2>/dev/null | tail -12
