@@ -130,6 +130,7 @@ def sweep(graph, sizes: list, order_name: str) -> list:
                 "pool": piecewise_backend.pool_bytes(),
                 "pool_allocated": pool_allocated_bytes(),
                 "inputs": graph.input_buffer_bytes(),
+                "failed_captures": graph.stats.failed_captures,
             }
         )
     return rows
@@ -157,6 +158,7 @@ def estimate_row(graph) -> dict:
         "input_buffer_bytes": measured - pool,
         "estimate": str(guess),
         "estimate_s": round(seconds, 2),
+        "failed_captures": graph.stats.failed_captures,  # a failed capture retires its pool: not an estimate
     }
 
 

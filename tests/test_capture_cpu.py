@@ -201,6 +201,25 @@ def test_explicit_capture_and_its_errors():
     assert [e.how for e in graph.stats.events] == ["lazy", "up-front", "up-front"]
 
 
+def test_capture_after_an_inference_mode_warm_up_fails_at_no_size():
+    """A server warms up under ``inference_mode``, then captures up front and serves under ``no_grad``:
+    the buffers captures copy inputs into take copies in every mode (made in inference mode, they
+    refused them: every up-front capture failed, and on CUDA each retired its pool)."""
+    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8]})
+    with torch.inference_mode():  # the largest size first, as a warm-up goes: later sizes reuse its buffers
+        first = decode_at_sizes(compiled, reference, (3, 8), steps=1)
+    graph = _padded_graphs(start)[-1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert graph.capture([4, 2]) == [(4,), (2,)]  # outside inference mode, as a user's script goes
+        with torch.inference_mode():
+            later = decode_at_sizes(compiled, reference, (7, 4, 2), start_pos=2)
+    assert_results_close(first + later)
+    assert [str(w.message) for w in caught if "piecewise" in str(w.message)] == []
+    assert graph.stats.failed_captures == 0 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    assert graph.stats.replays > 0
+
+
 def test_capture_on_a_graph_without_dynamic_batch_says_what_to_do():
     compiled, reference, start = _compile(ToyLlama, {"capture_sizes": [2, 4]})
     with torch.no_grad():

@@ -41,6 +41,11 @@ class InputArenas:
     guard), and every replay first copies its inputs into these buffers, so keys can share them:
     the memory is that of the largest key captured (largest first, as ``capture()`` goes) plus,
     when captures come in growing sizes, the smaller buffers that earlier keys' graphs still read.
+
+    The buffers are made outside inference mode whatever mode the call is in: a server warms up
+    under ``torch.inference_mode()`` and then captures up front (``capture()``) or serves under
+    ``no_grad``, and an inference tensor refuses those in-place copies (every capture then failed
+    and retired its pool).
     """
 
     def __init__(self):
@@ -51,7 +56,8 @@ class InputArenas:
         extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(n > 0 for n in shape) else 1
         base = self._current.get(index)
         if base is None or base.dtype != dtype or base.device != device or base.numel() < extent:
-            base = self._current[index] = torch.empty(extent, dtype=dtype, device=device)
+            with torch.inference_mode(False):  # a normal tensor: any later call may copy into it
+                base = self._current[index] = torch.empty(extent, dtype=dtype, device=device)
             self._all.append(base)
         return base.as_strided(tuple(shape), tuple(strides))
 
