@@ -60,8 +60,8 @@ def _able_to_capture() -> tuple[list, str]:
 def estimate_graph_memory(sizes: Iterable[int] | str = "all", graph=None):
     """The graph memory ``sizes`` need (pool and input buffers), from two captures
     (``runtime/memory_estimate.py``): size a KV cache with what is left. ``graph``: a compiled graph
-    (default: the one called most that can capture up front). Captures the largest and the smallest
-    of ``sizes`` if they are not yet."""
+    (default: the one called most that can capture up front). Captures the largest of ``sizes`` and the
+    size next below it if they are not yet."""
     if graph is None:
         able, reasons = _able_to_capture()
         if not able:

@@ -140,8 +140,8 @@ def test_graph_memory_estimated_from_two_captures_is_the_graph_memory_of_every_s
     graph = max((g for g in piecewise_backend.compiled_graphs() if g.can_capture_up_front), key=lambda g: g.stats.calls)
     before = {k[0] for k in graph.captured}  # what the warm-up captured
     guess = piecewise_backend.estimate_graph_memory("all", graph)
-    # the largest and the smallest, at most two captures
-    assert {(1,), (64,)} <= graph.captured and len({k[0] for k in graph.captured} - before) <= 2, str(guess)
+    # the largest and the size next below it, at most two captures
+    assert {(48,), (64,)} <= graph.captured and len({k[0] for k in graph.captured} - before) <= 2, str(guess)
     graph.capture("all")
     measured = piecewise_backend.graph_memory_bytes()
     assert abs(guess.predicted_bytes - measured) <= 0.1 * measured, (str(guess), measured)

@@ -5,21 +5,25 @@ captures copy their inputs into (``buffers.InputArenas``: one per input, shared 
 Why it can be predicted from the largest size: a captured step's temporaries are free once the
 step ends (outputs are kept as non-owning aliases), so the next capture reuses them, and a smaller
 size fits in what a larger one freed; the input buffers of every size are the first rows of the
-largest's. So once the largest and the smallest of a list are captured (largest first, as
-``capture()`` goes), the others add next to nothing (measured per size: ``graph_memory.py
---sweep``, ``benchmarks/README.md``).
+largest's. Fits, once: the first size just below the largest re-lays the pool. Its temporaries are
+each a little smaller than the largest's, the allocator's best fit hands some of them blocks that
+other temporaries of its step then miss, and one of those (a large one) takes a new segment; after
+that, every smaller size fits in what the pool holds. So once the largest and the size next below
+it are captured (largest first, as ``capture()`` goes), the others add next to nothing (measured
+per size: ``graph_memory.py --sweep``, ``benchmarks/README.md``).
 
-The old estimate (three captures, then a line plus a per-size term) missed on the serving engine
-because it took the growth of one size captured after the largest for bytes every size keeps;
-sizes keep none. What does make a pool larger is order: a capture larger than every free block
+Two estimates before this one missed on the serving engine by a quarter: the first took the growth
+of one size captured after the largest for bytes every size keeps (sizes keep none); the second
+measured the largest and the smallest, and the smallest's requests fit in the largest's blocks by
+splitting them, so it never saw the re-layout. What does make a pool larger is order: a capture larger than every free block
 takes a new segment, and what the smaller sizes before it freed stays reserved in the pool, so
 sizes captured in growing order (lazily, as traffic grows) can hold more than the largest alone.
 The estimate is for sizes captured as ``capture()`` captures them.
 
-So :func:`estimate` captures the largest and then the smallest of the sizes asked about (those not
-captured yet) and reads graph memory after each. For lists whose largest size is smaller, memory
-is a line in the largest size: through the smallest alone when it came first, else through what
-the device held before the first capture. The captures are real and stay (the sizes are then
+So :func:`estimate` captures the largest and then the next size below it of the sizes asked about
+(those not captured yet) and reads graph memory after each. For lists whose largest size is
+smaller, memory is a line in the largest size: through the next size alone when it came first,
+else through what the device held before the first capture. The captures are real and stay (the sizes are then
 served). The estimate answers for any list (``for_sizes``) and a budget (``largest_size_within``).
 
 Vendors' estimates miss by 3x in both directions (vLLM #45178, #51590) because they sum per-size
@@ -81,19 +85,25 @@ def fit(points: list[tuple[int, int]]) -> tuple[float, float]:
     return b2 - per_row * s2, per_row
 
 
+def _largest_two(sizes) -> tuple[int, int]:
+    """The largest size and the one next below it (the largest again for a list of one size)."""
+    ordered = sorted(set(sizes))
+    return ordered[-1], ordered[-2] if len(ordered) > 1 else ordered[-1]
+
+
 def from_events(sizes: tuple, events: list, position: int) -> GraphMemoryEstimate:
     """The estimate from a graph's capture events of ``sizes`` (``stats.events``, in capture order;
     their ``pool_bytes`` is graph memory after each): what the graph held once the largest and the
-    smallest were both captured, and the line to it from the smallest alone (when it came first)
-    or from before the first capture."""
+    size next below it were both captured, and the line to it from that size alone (when it came
+    first) or from before the first capture."""
     first = {}  # size -> its first capture event, in capture order
     for event in events:
         first.setdefault(event.key[position], event)
     order = list(first)
-    smallest, largest = min(sizes), max(sizes)
-    both = first[order[max(order.index(smallest), order.index(largest))]].pool_bytes
-    if order.index(smallest) < order.index(largest):  # the smallest alone, then the largest
-        start = (smallest, first[smallest].pool_bytes)
+    largest, below = _largest_two(sizes)
+    both = first[order[max(order.index(below), order.index(largest))]].pool_bytes
+    if order.index(below) < order.index(largest):  # the size below alone, then the largest
+        start = (below, first[below].pool_bytes)
     else:  # the largest first: the line starts at what the device held before
         start = (0, first[order[0]].pool_bytes - first[order[0]].pool_growth)
     fixed, per_row = fit([start, (largest, both)])
@@ -102,8 +112,8 @@ def from_events(sizes: tuple, events: list, position: int) -> GraphMemoryEstimat
 
 
 def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
-    """Capture the largest and the smallest of ``sizes`` (those not captured yet) on ``graph`` and
-    predict the graph memory of all of them (see the module docstring)."""
+    """Capture the largest of ``sizes`` and the size next below it (those not captured yet) on
+    ``graph`` and predict the graph memory of all of them (see the module docstring)."""
     if graph.device.type != "cuda":
         raise ValueError(
             f"piecewise: graph {graph.serial} runs on {graph.device}: graph memory is measured from "
@@ -113,7 +123,7 @@ def estimate(graph, sizes: Iterable[int] | str = "all") -> GraphMemoryEstimate:
     if not keys:
         raise ValueError(f"piecewise: no capture size of graph {graph.serial} among {sizes!r}.")
     position = graph.pad_position
-    for key in (keys[0], keys[-1]):  # the largest, then the smallest
+    for key in keys[:2]:  # the largest, then the size next below it
         if key not in graph.captured and not graph.capture([key[position]]):
             raise RuntimeError(
                 f"piecewise: graph {graph.serial} did not capture size {key[position]} (see its "

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Merge the three evidence calls' raw results (the folders their $OUT came back to) into
+# benchmarks/results/<gpu>.json, here (no GPU needed): bash benchmarks/evidence_record.sh DIR...
+# Each part is recorded once its file is there; a part that fails to record says so and stops.
+for dir in "$@"; do
+  gpu=$(cat "$dir/gpu.txt") || exit 1
+  slug=$(python -c "import sys; from benchmarks.record import gpu_slug; print(gpu_slug(sys.argv[1]))" "$gpu") || exit 1
+  R=benchmarks/results/$slug.json; T=$(mktemp)
+  rec() { python -m benchmarks.record --previous "$R" --out "$T" "$@" > /dev/null && cp "$T" "$R" || { echo "record $* failed"; exit 1; }; }
+  for f in hf_dynamic hf_second; do if [ -f "$dir/$f.json" ]; then rec --hf "$dir/$f.json"; fi; done
+  if ls "$dir"/junit_*.xml > /dev/null 2>&1; then
+    rec --junit "$dir"/junit_*.xml --tests-selection "-m cuda in every CUDA test file: $(ls "$dir"/junit_*.xml | wc -l) processes at once"
+  fi
+  if [ -f "$dir/fuzz.json" ]; then rec --fuzz "$dir/fuzz.json"; fi
+  if [ -f "$dir/threads.json" ]; then rec --threads "$dir/threads.json"; fi
+  if [ -f "$dir/gm.json" ]; then rec --graph-memory "$dir/gm.json"; fi
+  if [ -f "$dir/gms.json" ]; then rec --graph-memory "$dir/gms.json"; fi
+  for f in "$dir"/suite_*.json; do if [ -f "$f" ]; then rec --suite "$f"; fi; done
+  echo "$dir -> $R"
+done
