@@ -16,5 +16,17 @@ for dir in "$@"; do
   if [ -f "$dir/gm.json" ]; then rec --graph-memory "$dir/gm.json"; fi
   if [ -f "$dir/gms.json" ]; then rec --graph-memory "$dir/gms.json"; fi
   for f in "$dir"/suite_*.json; do if [ -f "$f" ]; then rec --suite "$f"; fi; done
+  python - "$R" "$gpu" "$dir" <<'PY'  # a results file begun here names its GPU and torch (record.py sets them on the GPU only)
+import glob, json, sys
+path, gpu, folder = sys.argv[1:]
+result = json.load(open(path))
+result.setdefault("gpu", gpu)
+for raw in sorted(glob.glob(f"{folder}/*.json")):
+    torch_version = json.load(open(raw)).get("torch") if raw.endswith(("hf_dynamic.json", "hf_second.json")) else None
+    if torch_version:
+        result.setdefault("torch", torch_version)
+json.dump(result, open(path, "w"), indent=1)
+open(path, "a").write("\n")
+PY
   echo "$dir -> $R"
 done
