@@ -15,16 +15,16 @@ per size: ``graph_memory.py --sweep``, ``benchmarks/README.md``).
 Two estimates before this one missed on the serving engine by a quarter: the first took the growth
 of one size captured after the largest for bytes every size keeps (sizes keep none); the second
 measured the largest and the smallest, and the smallest's requests fit in the largest's blocks by
-splitting them, so it never saw the re-layout. What does make a pool larger is order: a capture larger than every free block
-takes a new segment, and what the smaller sizes before it freed stays reserved in the pool, so
-sizes captured in growing order (lazily, as traffic grows) can hold more than the largest alone.
-The estimate is for sizes captured as ``capture()`` captures them.
+splitting them, so it never saw the re-layout. What does make a pool larger is order: a capture
+larger than every free block takes a new segment, and what the smaller sizes before it freed stays
+reserved in the pool, so sizes captured in growing order (lazily, as traffic grows) can hold more
+than the largest alone. The estimate is for sizes captured as ``capture()`` captures them.
 
 So :func:`estimate` captures the largest and then the next size below it of the sizes asked about
 (those not captured yet) and reads graph memory after each. For lists whose largest size is
 smaller, memory is a line in the largest size: through the next size alone when it came first,
-else through what the device held before the first capture. The captures are real and stay (the sizes are then
-served). The estimate answers for any list (``for_sizes``) and a budget (``largest_size_within``).
+else through what the device held before the first capture. The captures are real and stay (the
+sizes are then served). The estimate answers for any list (``for_sizes``) and a budget (``largest_size_within``).
 
 Vendors' estimates miss by 3x in both directions (vLLM #45178, #51590) because they sum per-size
 costs that the pool shares, or profile without the capture's own allocations; this one is the
