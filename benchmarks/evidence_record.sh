@@ -3,6 +3,9 @@
 # benchmarks/results/<gpu>.json, here (no GPU needed): bash benchmarks/evidence_record.sh DIR...
 # Each part is recorded once its file is there; a part that fails to record says so and stops.
 for dir in "$@"; do
+  if [ -f "$dir/raw.tgz" ]; then  # the evidence scripts bring their files back as one tarball (8 files at most)
+    unpacked=$(mktemp -d); tar xzf "$dir/raw.tgz" -C "$unpacked" && cp "$dir/gpu.txt" "$unpacked/" && dir=$unpacked || exit 1
+  fi
   gpu=$(cat "$dir/gpu.txt") || exit 1
   slug=$(python -c "import sys; from benchmarks.record import gpu_slug; print(gpu_slug(sys.argv[1]))" "$gpu") || exit 1
   R=benchmarks/results/$slug.json; T=$(mktemp)

@@ -36,3 +36,5 @@ if os.path.exists(f"{out}/gms.json"):
         print("sweep", row.get("model"), row.get("order"), [(x["size"], round(x["pool"] / 2**20)) for x in s][:5],
               round(s[-1]["pool"] / 2**20) if s else row.get("error", "")[-300:], sum(x.get("failed_captures", 0) for x in s[-1:]))
 PY
+# At most 8 files come back from a device call: everything but gpu.txt travels as one tarball.
+(cd $OUT && tar czf /tmp/raw.tgz --exclude gpu.txt . && find . -type f ! -name gpu.txt -delete && mv /tmp/raw.tgz .)
