@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# Evidence call 3 of 3 (issue 51; bash benchmarks/evidence_decode.sh on the device, alone, ~570 s, or DECODE_SECONDS): the
+# Evidence call 3 of 3 (issue 51; bash benchmarks/evidence_decode.sh on the device, alone, ~570 s, or DECODE_SECONDS; DECODE_MODELS
+# picks the models): the
 # decode rows (run_device.sh suite-apart's two processes), 16L then the whole-cache model, each run cut
 # to what is left of the call. Raw JSON per run into $OUT; benchmarks/evidence_record.sh merges them.
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
 python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 1; }
-T0=$(date +%s); TOTAL=${DECODE_SECONDS:-570}; runs_left=4
+T0=$(date +%s); TOTAL=${DECODE_SECONDS:-570}; MODELS=${DECODE_MODELS:-16L 16L-whole-cache}
+runs_left=$(( 2 * $(echo $MODELS | wc -w) ))
 for variants in "limit dynamo-floor" "piecewise piecewise-skip-guards"; do
-  for model in 16L 16L-whole-cache; do
+  for model in $MODELS; do
     left=$(( (TOTAL - ($(date +%s) - T0)) / runs_left )); runs_left=$(( runs_left - 1 ))  # an equal share of what is left
     [ $left -gt 150 ] && left=150; [ $left -lt 30 ] && { echo "no time left for $model $variants"; continue; }
     name=suite_${model}_${variants%% *}
