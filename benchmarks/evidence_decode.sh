@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Evidence call 3 of 3 (issue 51; bash benchmarks/evidence_decode.sh on the device, alone, ~570 s, or DECODE_SECONDS; DECODE_MODELS
-# picks the models): the
-# decode rows (run_device.sh suite-apart's two processes), 16L then the whole-cache model, each run cut
-# to what is left of the call. Raw JSON per run into $OUT; benchmarks/evidence_record.sh merges them.
+# Evidence call 3 of 3 (issue 51; bash benchmarks/evidence_decode.sh on the device, alone, ~570 s): the
+# decode rows (run_device.sh suite-apart's two processes), 16L then the whole-cache model, each run given
+# an equal share of what is left (DECODE_SECONDS in all, DECODE_MODELS to pick the models). Raw JSON per
+# run into $OUT, brought back as one tarball; benchmarks/evidence_record.sh merges them.
 export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
 export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
 nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
