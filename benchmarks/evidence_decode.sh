@@ -3,10 +3,7 @@
 # decode rows (run_device.sh suite-apart's two processes), 16L then the whole-cache model, each run given
 # an equal share of what is left (DECODE_SECONDS in all; DECODE_MODELS, DECODE_ROUNDS). Raw JSON per
 # run into $OUT, brought back as one tarball; benchmarks/evidence_record.sh merges them.
-export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
-python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 1; }
+source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
 T0=$(date +%s); TOTAL=${DECODE_SECONDS:-570}; MODELS=${DECODE_MODELS:-16L 16L-whole-cache}
 runs_left=$(( 2 * $(echo $MODELS | wc -w) ))
 for variants in "limit dynamo-floor" "piecewise piecewise-skip-guards"; do
@@ -20,5 +17,4 @@ for variants in "limit dynamo-floor" "piecewise piecewise-skip-guards"; do
   done
 done
 cat $OUT/gpu.txt; grep -h '^{' $OUT/suite_*.log | cut -c1-200
-# At most 8 files come back from a device call: everything but gpu.txt travels as one tarball.
-(cd $OUT && tar czf /tmp/raw.tgz --exclude gpu.txt . && find . -type f ! -name gpu.txt -delete && mv /tmp/raw.tgz .)
+bundle_out

@@ -2,10 +2,7 @@
 # Evidence call 1 of 3 (issues 50 and 51; bash benchmarks/evidence_hf.sh on the device, alone, ~450 s):
 # the "hf" rows, each variant set in its own process, one after the other (nothing else on the GPU).
 # Raw JSON and logs into $OUT; benchmarks/evidence_record.sh merges them here afterwards.
-export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
-python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 1; }
+source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
 T0=$(date +%s)
 HF="python -m benchmarks.hf_generate --dtype bfloat16 --models gemma3-28L-1.5b --batches 1 --tokens 48"
 timeout 300 $HF --out $OUT/hf_dynamic.json --variants eager piecewise-dynamic > $OUT/hf_dynamic.log 2>&1

@@ -2,10 +2,7 @@
 # Evidence call 2 of 3 (issues 50 and 51; bash benchmarks/evidence_tests.sh on the device, ~450 s): every
 # CUDA test file, the GPU fuzz, threads and graph memory, side by side (none of them is a timing).
 # Raw JSON, JUnit XML and logs into $OUT; benchmarks/evidence_record.sh merges them here afterwards.
-export OUT=${OUT:-/tmp/out}; mkdir -p $OUT
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-nvidia-smi --query-gpu=name --format=csv,noheader > $OUT/gpu.txt
-python -m pip install -q --no-deps --no-build-isolation -e . > $OUT/pip.log 2>&1 || { tail $OUT/pip.log; exit 1; }
+source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
 T0=$(date +%s); n=0
 for shard in "tests/test_cuda_live_server.py tests/test_cuda_engine.py tests/test_cuda_capture.py tests/test_cuda_neighbours.py" \
              "tests/test_cuda.py tests/test_cuda_full_graph.py tests/test_cuda_never_silently_wrong.py" \
@@ -36,5 +33,4 @@ if os.path.exists(f"{out}/gms.json"):
         print("sweep", row.get("model"), row.get("order"), [(x["size"], round(x["pool"] / 2**20)) for x in s][:5],
               round(s[-1]["pool"] / 2**20) if s else row.get("error", "")[-300:], sum(x.get("failed_captures", 0) for x in s[-1:]))
 PY
-# At most 8 files come back from a device call: everything but gpu.txt travels as one tarball.
-(cd $OUT && tar czf /tmp/raw.tgz --exclude gpu.txt . && find . -type f ! -name gpu.txt -delete && mv /tmp/raw.tgz .)
+bundle_out
