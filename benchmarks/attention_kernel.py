@@ -20,32 +20,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from benchmarks.timing import graph_us
 from piecewise_backend.ops import kernel
 
 CASES = [(1, 300, 336), (8, 300, 336), (32, 300, 336), (32, 1000, 1100), (1, 2000, 4096)]  # batch, live, buffer
 HEADS, HEAD_DIM = 16, 64
-
-
-def graph_us(fn, calls: int = 50) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = math.inf
-    for _ in range(5):
-        begin.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, begin.elapsed_time(end) / calls * 1e3)
-    return round(best, 2)
 
 
 def launch_with(q, keys, values, length, block: int, warps: int):
@@ -60,13 +39,13 @@ def measure(batch: int, live: int, buffer: int) -> dict:
     length = torch.tensor([live], device="cuda")
     want = F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])
     us = {
-        "sdpa": graph_us(lambda: F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])),
-        "chosen": graph_us(lambda: kernel.prefix_attention(q, keys, values, length)),
+        "sdpa": graph_us(lambda i: F.scaled_dot_product_attention(q, keys[:, :, :live], values[:, :, :live])),
+        "chosen": graph_us(lambda i: kernel.prefix_attention(q, keys, values, length)),
     }
     for block, warps in itertools.product((16, 64, 128), (1, 2, 4)):
         run = launch_with(q, keys, values, length, block, warps)
         torch.testing.assert_close(run(), want, atol=2e-2, rtol=2e-2)
-        us[f"b{block}w{warps}"] = graph_us(run)
+        us[f"b{block}w{warps}"] = graph_us(lambda i: run())
     chosen_block = kernel.plan_splits(batch * HEADS, buffer, HEAD_DIM)[0]
     return {
         "batch": batch,

@@ -12,12 +12,15 @@ for dir in "$@"; do
   rec() { python -m benchmarks.record --previous "$R" --out "$T" "$@" > /dev/null && cp "$T" "$R" || { echo "record $* failed"; exit 1; }; }
   for f in hf_dynamic hf_second; do if [ -f "$dir/$f.json" ]; then rec --hf "$dir/$f.json"; fi; done
   if ls "$dir"/junit_*.xml > /dev/null 2>&1; then
-    rec --junit "$dir"/junit_*.xml --tests-selection "-m cuda in every CUDA test file: $(ls "$dir"/junit_*.xml | wc -l) processes at once"
+    selection="-m cuda in every CUDA test file"; [ -f "$dir/tests_selection.txt" ] && selection=$(cat "$dir/tests_selection.txt")
+    rec --junit "$dir"/junit_*.xml --tests-selection "$selection: $(ls "$dir"/junit_*.xml | wc -l) processes at once"
   fi
   if [ -f "$dir/fuzz.json" ]; then rec --fuzz "$dir/fuzz.json"; fi
   if [ -f "$dir/threads.json" ]; then rec --threads "$dir/threads.json"; fi
   if [ -f "$dir/gm.json" ]; then rec --graph-memory "$dir/gm.json"; fi
   if [ -f "$dir/gms.json" ]; then rec --graph-memory "$dir/gms.json"; fi
+  if [ -f "$dir/paged_kernel.json" ]; then rec --paged-kernel "$dir/paged_kernel.json"; fi
+  if [ -f "$dir/seed.json" ]; then rec --seed-workload "$dir/seed.json"; fi
   for f in "$dir"/suite_*.json; do if [ -f "$f" ]; then rec --suite "$f"; fi; done
   python - "$R" "$gpu" "$dir" <<'PY'  # a results file begun here names its GPU and torch (record.py sets them on the GPU only)
 import glob, json, sys

@@ -133,7 +133,8 @@ def _serving(result: dict, data: dict, digest: str, file_hash) -> None:
 
 
 def _replace_keys(result: dict, data: dict, digest: str, file_hash) -> None:
-    """Each key's rows, from one run, replace the key's (graph_memory.py: estimate or sweep)."""
+    """Each key's rows, from one run, replace the key's (graph_memory.py: estimate or sweep;
+    paged_kernel.py)."""
     for key, rows in data.items():
         result[key] = [{**r, "code_hash": digest} for r in rows]
 
@@ -190,6 +191,7 @@ PARTS = {
     "entry": ("dynamo_entry.py's JSON", _stamped("dynamo_entry")),
     "hf-startup": ("hf_startup.py's JSON", _hf_startup),
     "seed-workload": ("seed_workload.py's JSON (seed_workload and concurrency rows)", _seed_workload),
+    "paged-kernel": ("paged_kernel.py's JSON (its rows replace the key's)", _replace_keys),
     "start-up": ("start_up.py's JSON (the engine's start-up routes, into \"startup\")", _start_up),
 }
 

@@ -13,9 +13,15 @@ TTFT (first token - arrival), TPOT ((last token - first token) / (tokens - 1)), 
 between a request's tokens); median, mean and p99 of each, and output tokens/s.
 
 Then, in the same process (the start-up paid once), the concurrency sweep: ``--in-flight`` levels
-(1, 8, 32, 64), each one wave of that many requests submitted at once with ``max_num_seqs`` set to
-it, 64-token prompts and 256 new tokens (decode-heavy), after a short untimed wave of the same
-level (4 new tokens: the warm-up ``vllm bench serve`` does too): output tokens/s and median TPOT.
+(1, 8, 32, 64, 128), each one wave of that many requests submitted at once with ``max_num_seqs`` set
+to it, the seed's 1,000-token prompts and 100 new tokens, after a short untimed wave of the same
+level (4 new tokens: the warm-up ``vllm bench serve`` does too): output tokens/s, median TPOT, and
+the median decode-only step (``decode_step_median_ms``; ``decode_batch_median``: its rows) beside
+its byte floor (``floor_ms``: the weights once plus the keys and values of that step's rows at
+their lengths, over the copy bandwidth measured in the run; ``vs_floor``: the median of each step
+over its own floor). Where the rest of a decode step goes: ``forward_median_ms`` (the compiled
+forward, from the host's call to its last kernel: a graph replay in a full-graph step) and
+``sample_median_ms`` (logits and argmax), the remainder being the engine's host work.
 
 Variants, each in a child process with its own timeout (rows are written as they come):
 
@@ -71,7 +77,7 @@ SEED_VLLM = {
     "piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
     "full": {"tpot_median_ms": 5.33, "ttft_median_ms": 30.5, "itl_p99_ms": 6.18},
 }  # seed 001, their GPU, fp16
-PROMPT, OUTPUT, SWEEP_PROMPT, SWEEP_OUTPUT = 1000, 100, 64, 256
+PROMPT, OUTPUT = 1000, 100  # the seed's workload, and the sweep's requests too
 
 
 def compiled(model, variant: str):
@@ -103,12 +109,12 @@ def compiled(model, variant: str):
 
 def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.Engine:
     tiny = args.config == "tiny"
-    longest = 64 if tiny else max(PROMPT + OUTPUT, SWEEP_PROMPT + SWEEP_OUTPUT)
+    longest = 64 if tiny else PROMPT + OUTPUT
     seqs = max(args.in_flight)
     per_request = -(-longest // model.cfg.block_size)
     blocks = (
         max(
-            seqs * -(-(SWEEP_PROMPT + SWEEP_OUTPUT) // model.cfg.block_size),
+            seqs * -(-(PROMPT + OUTPUT) // model.cfg.block_size),
             8 * per_request,
             -(-args.max_num_tokens // model.cfg.block_size) + 1,
         )
@@ -217,15 +223,19 @@ def sweep_levels(args, engine: toy.Engine, variant: str, vocab: int) -> list:
     make, a graph of its batch size say, is made there, as ``vllm bench serve``'s warm-up requests do),
     then the timed wave."""
     tiny = args.config == "tiny"
+    floor = StepFloor(engine.model, args.device)
     sweep = []
     for level in args.in_flight:
         engine.max_num_seqs = level
-        prompt, output = (8, 8) if tiny else (SWEEP_PROMPT, SWEEP_OUTPUT)
+        prompt, output = (8, 8) if tiny else (PROMPT, OUTPUT)
         engine.run(requests(level, prompt, 4, 0.0, vocab, seed=1000 + level))
         batch = requests(level, prompt, output, 0.0, vocab, seed=level)
+        engine.steps.clear()
+        engine.time_phases = args.device == "cuda"  # a few µs a step: the timed wave only
         began = time.perf_counter()
         finished = engine.run(batch)
         _sync(args.device)
+        engine.time_phases = False
         seconds = time.perf_counter() - began
         tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in finished]
         sweep.append(
@@ -234,10 +244,51 @@ def sweep_levels(args, engine: toy.Engine, variant: str, vocab: int) -> list:
                 "in_flight": level,
                 "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
                 "tpot_median_ms": _ms(statistics.median(tpot)),
+                **floor.decode_steps(engine.steps),
+                "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
             }
         )
         print(json.dumps(sweep[-1]), flush=True)
     return sweep
+
+
+class StepFloor:
+    """A decode step's byte floor: the weights read once and every row's keys and values at its
+    length, over the copy bandwidth measured here (on a GPU; None elsewhere)."""
+
+    def __init__(self, model: toy.EngineModel, device: str):
+        cfg = model.cfg
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        element = model.embed.weight.element_size()
+        self.key_bytes = cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * element  # a key and a value, every layer
+        self.bandwidth = None
+        if device == "cuda":
+            from benchmarks.timing import copy_bandwidth
+
+            self.bandwidth = copy_bandwidth()
+
+    def ms(self, keys: int) -> float | None:
+        return None if self.bandwidth is None else (self.weight_bytes + keys * self.key_bytes) / self.bandwidth * 1e3
+
+    def decode_steps(self, steps: list) -> dict:
+        """The decode-only steps' medians (step, rows, floor, step over floor, forward, sampling)."""
+        decode = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode > 0]
+        if not decode:
+            return {}
+        out = {
+            "decode_steps": len(decode),
+            "decode_step_median_ms": _ms(statistics.median(s.seconds * 1e3 for s in decode)),
+            "decode_batch_median": statistics.median(s.num_decode for s in decode),
+            "copy_gbs": None if self.bandwidth is None else round(self.bandwidth / 1e9),
+        }
+        if self.bandwidth is not None:
+            out["floor_ms"] = _ms(statistics.median(self.ms(s.keys) for s in decode))
+            out["vs_floor"] = _ms(statistics.median(s.seconds * 1e3 / self.ms(s.keys) for s in decode))
+        phases = [s.phase_ms() for s in decode if s.events]
+        if phases:
+            out["forward_median_ms"] = _ms(statistics.median(f for f, _ in phases))
+            out["sample_median_ms"] = _ms(statistics.median(p for _, p in phases))
+        return out
 
 
 def agreement(args, variant: str) -> float:
@@ -311,7 +362,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--rate", type=float, default=1.0)
-    parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64])
+    parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64, 128])
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--agreement-variants", default="full-and-piecewise")
     parser.add_argument("--child-timeout", type=int, default=240)

@@ -60,6 +60,43 @@ def time_decode(
     return statistics.median(times[steps // 2 :]), first_call
 
 
+def graph_us(call, calls: int = 50, replays: int = 5) -> float:
+    """GPU µs per call of ``call(i)``, ``calls`` of them (``i`` = 0, 1, ...) captured in one CUDA graph:
+    launch cost is out of it, the GPU's time is what is left. The best of ``replays`` replays.
+
+    Why ``i``: a caller that hands each call other data (``i`` cycling over copies larger than the
+    L2 cache together) times reads from memory, as in a model whose layers each read their own."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            call(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(replays):
+        begin.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, begin.elapsed_time(end) / calls * 1e3)
+    del graph
+    return round(best, 2)
+
+
+def copy_bandwidth(gib: float = 1.0) -> float:
+    """Device memory bandwidth in bytes/s: a device-to-device copy of ``gib`` GiB, bytes read plus
+    bytes written over its time in a graph of copies (the floor a memory-bound kernel is held to)."""
+    n = int(gib * (1 << 30)) // 2
+    src, dst = torch.empty(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda")
+    us = graph_us(lambda i: dst.copy_(src), calls=10)
+    return 2 * src.numel() * src.element_size() / (us * 1e-6)
+
+
 def _probe_work() -> int:
     table = {}
     for i in range(200):

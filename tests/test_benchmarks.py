@@ -827,9 +827,62 @@ def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurren
     assert row["full_replays"] > 0 and row["piecewise_replays"] > 0 and row["full_fallbacks"] == 0, row
     assert row["out_tok_s"] > 0 and row["requests"] == 4 and row["inductor_cache"] in ("cold", "warm", "mixed")
     assert [(r["in_flight"], r["out_tok_s"] > 0) for r in sweep] == [(1, True), (3, True)]
+    assert [r["decode_batch_median"] for r in sweep][0] == 1 and all(r["decode_step_median_ms"] > 0 for r in sweep)
+    assert all(r["decode_steps"] > 0 and "floor_ms" not in r for r in sweep)  # no floor without a GPU's bandwidth
     done = [toy_request(i, [0, 1], [5, 6, 7], arrival=0.5 * i) for i in range(2)]
     metrics = seed_workload.latencies(done, start=100.0)
     assert metrics["ttft_median_ms"] == pytest.approx(1000.0) and metrics["tpot_median_ms"] == pytest.approx(500.0)
+
+
+def test_a_decode_steps_floor_is_the_weights_once_and_its_rows_keys():
+    """``floor_ms``: the bytes a decode step must read (every weight once, a key and a value per cached
+    token per layer) over the copy bandwidth; ``vs_floor`` each step over its own floor."""
+    from benchmarks.seed_workload import StepFloor
+    from toys import engine as toy
+
+    model = toy.EngineModel(toy.TINY)
+    floor = StepFloor(model, "cpu")
+    assert floor.key_bytes == toy.TINY.layers * 2 * toy.TINY.kv_heads * toy.TINY.head_dim * 4
+    floor.bandwidth = 1e9  # bytes/s
+    weights = sum(p.numel() * 4 for p in model.parameters())
+    assert floor.ms(100) == pytest.approx((weights + 100 * floor.key_bytes) / 1e6)
+    steps = [
+        toy.StepRecord(0.0, 2 * floor.ms(100) / 1e3, 2, 2, 0, keys=100),
+        toy.StepRecord(0.0, 0.5, 40, 1, 39, keys=50),  # a prefill chunk: not a decode step
+        toy.StepRecord(0.0, 4 * floor.ms(300) / 1e3, 3, 3, 0, keys=300),
+    ]
+    row = floor.decode_steps(steps)
+    assert row["decode_steps"] == 2 and row["decode_batch_median"] == 2.5
+    assert row["floor_ms"] == pytest.approx((floor.ms(100) + floor.ms(300)) / 2, abs=0.01)
+    assert row["vs_floor"] == pytest.approx(3.0, abs=0.01)
+
+
+def test_paged_kernel_benchmark_rows_carry_the_issues_schema(tmp_path):
+    """``paged_kernel.py --smoke`` (CPU: the reference path checked against SDPA, no timing): one row per
+    (B, context), each naming its GPU and code hash; record.py files them under ``"paged_kernel"``."""
+    import json
+
+    out = tmp_path / "k.json"
+    _run_script(["-m", "benchmarks.paged_kernel", "--out", str(out), "--smoke"])
+    rows = json.loads(out.read_text())["paged_kernel"]
+    assert [(r["B"], r["context"]) for r in rows] == [(1, 40), (8, 40)]
+    for row in rows:
+        assert {"B", "context", "paged_us", "sdpa_us", "floor_us", "gpu", "code_hash"} <= set(row)
+        assert row["gpu"] == "cpu" and len(row["code_hash"]) == 64
+    recorded = tmp_path / "h.json"
+    _run_script(
+        [
+            "-m",
+            "benchmarks.record",
+            "--paged-kernel",
+            str(out),
+            "--previous",
+            str(tmp_path / "no.json"),
+            "--out",
+            str(recorded),
+        ]
+    )
+    assert [(r["B"], r["context"]) for r in json.loads(recorded.read_text())["paged_kernel"]] == [(1, 40), (8, 40)]
 
 
 def toy_request(i, prompt, output, arrival):

@@ -19,6 +19,7 @@ from .helpers import graphs_since, last_serial
 
 pytestmark = pytest.mark.cuda
 SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
+GROUPED = dataclasses.replace(toy.TINY, hidden=768, heads=6, kv_heads=1, layers=2, intermediate=256)  # 6:1, dim 128
 
 
 def _serve(model, forward, graph_mode):
@@ -28,11 +29,14 @@ def _serve(model, forward, graph_mode):
     return [r.output for r in engine.run(toy.seeded_trace(16, seed=3, vocab=model.cfg.vocab))], engine
 
 
-def test_the_engine_with_full_decode_graphs_gives_the_eager_engines_tokens():
+@pytest.mark.parametrize("cfg", [SMALL, GROUPED], ids=["small", "grouped-6-dim128"])
+def test_the_engine_with_full_decode_graphs_gives_the_eager_engines_tokens(cfg):
+    """fp32: the paged decode kernel's tokens are the host path's (SDPA per request), eager and in
+    full graphs, for two head layouts (Qwen2.5's 6:1 grouping at its head dim among them)."""
     torch._dynamo.reset()
     start = last_serial()
     torch.manual_seed(0)
-    model = toy.EngineModel(SMALL).init_weights_().cuda().eval()
+    model = toy.EngineModel(cfg).init_weights_().cuda().eval()
     expected, _ = _serve(model, None, "full_and_piecewise")
     host_path, _ = _serve(model, None, "piecewise")
     assert expected == host_path  # the paged decode kernel agrees with the varlen path

@@ -414,6 +414,17 @@ class StepRecord:
     num_tokens: int
     num_decode: int
     num_prefill_tokens: int
+    keys: int = 0  # cached keys the step's rows attend over, together (a decode step reads them all)
+    events: tuple = ()  # with Engine(time_phases=True): CUDA events before the forward, after it, after sampling
+
+    def phase_ms(self) -> tuple[float, float] | None:
+        """(forward, logits and sampling) in ms as the GPU saw them (the forward's from the host's call
+        to the end of its last kernel); None without events. Waits for the GPU."""
+        if not self.events:
+            return None
+        before, forward, sampled = self.events
+        sampled.synchronize()
+        return before.elapsed_time(forward), forward.elapsed_time(sampled)
 
 
 class Engine:
@@ -433,6 +444,8 @@ class Engine:
             graph-safe path (:class:`DecodeMetadata`) under ``cudagraph_mode("full")``, one graph of
             the whole step; other steps run piecewise. ``"piecewise"``: every step takes the host
             metadata path, piecewise.
+        time_phases: on a GPU, record CUDA events around each step's forward and sampling
+            (:meth:`StepRecord.phase_ms`): where a step's time goes, without a wait of its own.
     """
 
     def __init__(
@@ -447,6 +460,7 @@ class Engine:
         dtype=torch.float32,
         mark_dynamic: bool | str = True,
         graph_mode: str = "full_and_piecewise",
+        time_phases: bool = False,
     ):
         if graph_mode not in GRAPH_MODES:
             raise ValueError(f"Engine: graph_mode={graph_mode!r}; use one of {GRAPH_MODES}")
@@ -455,6 +469,7 @@ class Engine:
         self.cfg, self.device = cfg, torch.device(device)
         self.max_num_tokens, self.max_num_seqs, self.mark_dynamic = max_num_tokens, max_num_seqs, mark_dynamic
         self.graph_mode = graph_mode
+        self.time_phases = time_phases and self.device.type == "cuda"
         shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
@@ -645,7 +660,12 @@ class Engine:
             meta = self._decode.metadata(len(chosen))
         else:
             ids, positions, meta = self._inputs(chosen)
+        events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if self.time_phases else ()
+        if events:
+            events[0].record()
         hidden = self._forward(ids, positions, meta)
+        if events:
+            events[1].record()
         with torch.inference_mode():
             last, sampling = [], []
             offset = 0
@@ -657,10 +677,15 @@ class Engine:
             tokens = []
             if last:  # a decode-only step samples every row: no gather
                 rows = hidden if len(last) == hidden.shape[0] else hidden[torch.tensor(last, device=self.device)]
-                tokens = self.model.logits(rows).argmax(-1).tolist()
+                tokens = self.model.logits(rows).argmax(-1)
+            if events:
+                events[2].record()
+            tokens = tokens.tolist() if last else []
         now = time.perf_counter()
+        keys = 0
         for request, n in chosen:
             request.computed += n
+            keys += request.computed
         for request, token in zip(sampling, tokens):
             request.output.append(token)
             request.token_times.append(now)
@@ -676,6 +701,8 @@ class Engine:
                 int(ids.shape[0]),
                 sum(1 for _, n in chosen if n == 1),
                 sum(n for _, n in chosen if n > 1),
+                keys,
+                events,
             )
         )
 

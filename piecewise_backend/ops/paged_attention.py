@@ -104,20 +104,19 @@ def reference_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """The same in plain torch: every page of each row's table gathered, keys past its length masked."""
+    """The same in plain torch: every page of each row's table gathered, keys past its length masked;
+    each group of query heads against its one cache head (the keys are not repeated per query head)."""
     rows, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     tables = block_tables.long()
     keys = k_cache[tables].reshape(rows, -1, kv_heads, dim).float()  # [rows, pages * page, kv_heads, dim]
     values = v_cache[tables].reshape(rows, -1, kv_heads, dim).float()
-    group = heads // kv_heads
-    if group > 1:
-        keys, values = keys.repeat_interleave(group, dim=2), values.repeat_interleave(group, dim=2)
-    scores = torch.einsum("rhd,rnhd->rhn", q.float(), keys) * scale
+    grouped = q.float().view(rows, kv_heads, heads // kv_heads, dim)
+    scores = torch.einsum("rkgd,rnkd->rkgn", grouped, keys) * scale
     live = torch.arange(keys.shape[1], device=q.device)[None, :] < seq_lens.long()[:, None]  # [rows, keys]
-    scores = scores.masked_fill(~live[:, None, :], float("-inf"))
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
     weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no keys: zeros, not NaN
-    return torch.einsum("rhn,rnhd->rhd", weights, values).to(q.dtype)
+    return torch.einsum("rkgn,rnkd->rkgd", weights, values).reshape(rows, heads, dim).to(q.dtype)
 
 
 def paged_cache_write(

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Issue 65's device call (bash benchmarks/evidence_issue65.sh on the device, ~500 s): the paged kernel's and
+# the engine's CUDA tests, the kernel against flash SDPA and the byte floor ("paged_kernel"), then the seed
+# workload and the concurrency sweep ("seed_workload", "concurrency"), one after the other (timings alone
+# on the GPU). KERNEL_ARGS (e.g. --variants), SEED_VARIANTS, SEED_ARGS change what runs. Raw JSON, JUnit
+# XML and logs into $OUT as one tarball; benchmarks/evidence_record.sh merges them here afterwards.
+source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
+T0=$(date +%s); n=0
+SHARDS=("tests/test_paged_attention.py" "tests/test_cuda_full_graph.py tests/test_cuda_engine.py")
+echo "-m cuda in ${SHARDS[*]}" > $OUT/tests_selection.txt
+for shard in "${SHARDS[@]}"; do
+  n=$((n + 1))
+  ( timeout -s INT ${TESTS_SECONDS:-200} python -m pytest -q -rs -m cuda -p no:cacheprovider --junitxml=$OUT/junit_$n.xml \
+      $shard > $OUT/ct_$n.log 2>&1 ) &
+done
+wait
+echo "tests $(( $(date +%s) - T0 )) s"
+for f in $OUT/ct_*.log; do grep -E "passed|failed|FAILED|Error" $f | cut -c1-300 | tail -4; done
+timeout ${KERNEL_SECONDS:-150} python -m benchmarks.paged_kernel --out $OUT/paged_kernel.json ${KERNEL_ARGS:-} \
+  > $OUT/paged_kernel.log 2>&1
+echo "kernel $(( $(date +%s) - T0 )) s"
+python - <<'PY'
+import json, os
+for r in json.load(open(os.environ["OUT"] + "/paged_kernel.json"))["paged_kernel"]:
+    print({k: r[k] for k in ("B", "context", "paged_us", "sdpa_us", "sdpa_default_us", "floor_us", "vs_sdpa", "vs_floor")})
+    if "variants_us" in r:
+        print("   ", r["variants_us"])
+PY
+timeout $(( ${TOTAL_SECONDS:-570} - ($(date +%s) - T0) )) python -m benchmarks.seed_workload --out $OUT/seed.json \
+  --variants ${SEED_VARIANTS:-full-and-piecewise,piecewise} --child-timeout 300 ${SEED_ARGS:-} > $OUT/seed.log 2>&1
+echo "seed $(( $(date +%s) - T0 )) s"; cat $OUT/gpu.txt
+grep -h '^{' $OUT/seed.log | cut -c1-700
+bundle_out
