@@ -268,16 +268,10 @@ def decode_attention(
         out,
         partial,
         lse,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *q.stride()[:2],
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
+        *v_cache.stride()[:3],
         block_tables.stride(0),
         kv_heads,
         group,
@@ -296,23 +290,30 @@ def decode_attention(
         num_stages=launch.stages,
     )
     if not single:
-        block_s = min(triton.next_power_of_2(launch.splits), max(1, 4096 // block_d))
-        _merge_kernel[(rows * heads,)](
-            partial,
-            lse,
-            out,
-            seq_lens,
-            out.stride(0),
-            out.stride(1),
-            heads,
-            launch.splits,
-            HEAD_DIM=dim,
-            BLOCK_D=block_d,
-            BLOCK_N=launch.block_n,
-            BLOCK_S=block_s,
-            S_TILES=math.ceil(launch.splits / block_s),
-        )
+        _merge(partial, lse, out, seq_lens, launch)
     return out
+
+
+def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor, launch: Plan) -> None:
+    """The merge pass: one program per (row, query head) over the partial outputs of its programs."""
+    rows, heads, dim = out.shape
+    block_d = triton_block_d(dim)
+    block_s = min(triton.next_power_of_2(launch.splits), max(1, 4096 // block_d))
+    _merge_kernel[(rows * heads,)](
+        partial,
+        lse,
+        out,
+        seq_lens,
+        out.stride(0),
+        out.stride(1),
+        heads,
+        launch.splits,
+        HEAD_DIM=dim,
+        BLOCK_D=block_d,
+        BLOCK_N=launch.block_n,
+        BLOCK_S=block_s,
+        S_TILES=math.ceil(launch.splits / block_s),
+    )
 
 
 def cache_write(
