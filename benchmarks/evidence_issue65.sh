@@ -6,6 +6,20 @@
 # XML and logs into $OUT as one tarball; benchmarks/evidence_record.sh merges them here afterwards.
 source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
 T0=$(date +%s); n=0
+# first, one call of the kernel against the reference: a kernel that does not compile stops the call here
+python - <<'PY' || { echo "the paged kernel failed: nothing else run"; exit 1; }
+import torch
+from piecewise_backend.ops import paged_decode_attention
+from piecewise_backend.ops.paged_attention import reference_decode_attention
+for dtype in (torch.bfloat16, torch.float32):
+    q = torch.randn(64, 12, 128, device="cuda", dtype=dtype)
+    k, v = torch.randn(2, 64 * 70, 16, 2, 128, device="cuda", dtype=dtype).unbind(0)
+    tables = torch.randperm(64 * 70, device="cuda").view(64, 70).int()
+    lens = torch.randint(0, 1100, (64,), device="cuda")
+    want = reference_decode_attention(q.float(), k.float(), v.float(), tables, lens, 128**-0.5)
+    torch.testing.assert_close(paged_decode_attention(q, k, v, tables, lens).float(), want, atol=2e-2, rtol=2e-2)
+print("paged kernel ok")
+PY
 SHARDS=("tests/test_paged_attention.py" "tests/test_cuda_full_graph.py tests/test_cuda_engine.py")
 echo "-m cuda in ${SHARDS[*]}" > $OUT/tests_selection.txt
 for shard in "${SHARDS[@]}"; do

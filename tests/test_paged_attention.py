@@ -208,6 +208,7 @@ cases = [(3, 12, 2, 128, 16, 9, torch.float32, 132),  # Qwen2.5's group of 6: se
          (2, 160, 2, 32, 16, 3, torch.float32, 132),  # a group of 80: two programs of heads per KV head
          (3, 6, 2, 80, 16, 5, torch.float32, 132),  # head dim 80 (not a power of two)
          (2, 4, 1, 256, 16, 6, torch.float16, 132),  # head dim 256: blocks of 32 keys
+         (2, 4, 4, 8, 16, 3, torch.float32, 132),  # head dim 8: padded to a tensor-core tile of 16
          (40, 4, 2, 32, 16, 40, torch.float32, 132),  # several blocks a program, one cut short
          (1, 4, 2, 32, 16, 64, torch.float32, 132)]  # a table far wider than the live keys
 for rows, heads, kv_heads, dim, page, width, dtype, sms in cases:

@@ -258,7 +258,7 @@ def decode_attention(
     if not single:
         partial = torch.empty(rows * heads * launch.splits, dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(rows * heads * launch.splits, device=q.device, dtype=torch.float32)
-    block_d = triton_block_d(dim)
+    block_d = max(16, triton_block_d(dim))  # a tensor-core product takes 16 at least
     _paged_decode_kernel[(rows * kv_heads * launch.head_blocks, launch.splits)](
         q,
         k_cache,
