@@ -7,6 +7,10 @@
 # logs into $OUT as one tarball; benchmarks/evidence_record.sh merges them here afterwards.
 source "$(dirname "$0")/evidence_common.sh"  # $OUT, caches, gpu.txt, the package installed
 T0=$(date +%s); n=0
+# the work in a folder of its own, tarred into $OUT after each step: a call cut short still brings back
+# what was measured (a call returns 8 files at most)
+RETURN=$OUT; OUT=/tmp/issue65; mkdir -p $OUT; cp $RETURN/gpu.txt $OUT/
+save() { tar czf $RETURN/raw.tgz -C $OUT .; }
 # first, one call of the kernel against the reference: a kernel that does not compile stops the call here
 python - <<'PY' || { echo "the paged kernel failed: nothing else run"; exit 1; }
 import torch
@@ -23,7 +27,7 @@ print("paged kernel ok")
 PY
 timeout ${KERNEL_SECONDS:-120} python -m benchmarks.paged_kernel --out $OUT/paged_kernel.json  \
   > $OUT/paged_kernel.log 2>&1
-echo "kernel $(( $(date +%s) - T0 )) s"
+echo "kernel $(( $(date +%s) - T0 )) s"; save
 python - <<'PY'
 import json, os
 for r in json.load(open(os.environ["OUT"] + "/paged_kernel.json"))["paged_kernel"]:
@@ -32,8 +36,8 @@ for r in json.load(open(os.environ["OUT"] + "/paged_kernel.json"))["paged_kernel
         print("   ", r["variants_us"])
 PY
 timeout ${SEED_SECONDS:-300} python -m benchmarks.seed_workload --out $OUT/seed.json \
-  --variants ${SEED_VARIANTS:-full-and-piecewise,piecewise} --child-timeout 220 ${SEED_ARGS:-} > $OUT/seed.log 2>&1
-echo "seed $(( $(date +%s) - T0 )) s"; cat $OUT/gpu.txt
+  --variants ${SEED_VARIANTS:-full-and-piecewise,piecewise} --child-timeout 210 ${SEED_ARGS:-} > $OUT/seed.log 2>&1
+echo "seed $(( $(date +%s) - T0 )) s"; cat $OUT/gpu.txt; save
 grep -h '^{' $OUT/seed.log | cut -c1-700
 SHARDS=("tests/test_paged_attention.py" "tests/test_cuda_full_graph.py tests/test_cuda_engine.py")
 echo "-m cuda in ${SHARDS[*]}" > $OUT/tests_selection.txt
@@ -44,7 +48,7 @@ for shard in "${SHARDS[@]}"; do
       $shard > $OUT/ct_$n.log 2>&1 ) &
 done
 wait
-echo "tests $(( $(date +%s) - T0 )) s"
+echo "tests $(( $(date +%s) - T0 )) s"; save
 for f in $OUT/ct_*.log; do grep -E "passed|failed|FAILED|Error" $f | cut -c1-300 | tail -4; done
 left=$(( ${TOTAL_SECONDS:-560} - ($(date +%s) - T0) ))  # what is left: the kernel's other launches (printed, not recorded)
 [ $left -gt 40 ] && timeout $left python -m benchmarks.paged_kernel --out $OUT/paged_kernel_variants.json --variants \
@@ -55,4 +59,4 @@ path = os.environ["OUT"] + "/paged_kernel_variants.json"
 for r in json.load(open(path))["paged_kernel"] if os.path.exists(path) else []:
     print(r["B"], r["context"], r.get("variants_us"))
 PY
-bundle_out
+save
