@@ -40,8 +40,8 @@ import torch
 from .kernel import triton, triton_block_d
 
 LOG2E = 1.4426950408889634
-MAX_SPLITS = 64  # programs per (row, KV head) at most
-PROGRAMS_PER_SM = 2  # the programs a launch aims at, per SM (two fit beside each other: shared memory)
+MAX_SPLITS = 32  # programs per (row, KV head) at most
+PROGRAMS_PER_SM = 4  # the programs a launch aims at, per SM, while the pairs are fewer than the SMs
 # Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) cannot take a loaded value as a loop
 # bound (Triton 3.6 under NumPy 2); there the key loop runs over the whole table, masked.
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -63,13 +63,15 @@ class Plan:
 @functools.lru_cache(maxsize=1024)  # the engine's eager path asks once a layer a step
 def plan(rows: int, kv_heads: int, group: int, head_dim: int, sms: int) -> Plan:
     """The launch for ``rows`` rows of ``kv_heads`` KV heads of ``group`` query heads each, on a GPU of
-    ``sms`` multiprocessors: as many programs per pair as bring the launch to ``PROGRAMS_PER_SM``
-    programs an SM (at most ``MAX_SPLITS``; one where the pairs alone reach it)."""
+    ``sms`` multiprocessors: one program per pair (no merge) once the pairs are as many as the SMs;
+    below that, as many programs per pair as bring the launch to ``PROGRAMS_PER_SM`` programs an SM,
+    ``MAX_SPLITS`` at most. (Measured on an H100, ``benchmarks/README.md``: more programs help while
+    they are few, and past one per SM the merge costs more than the programs gain.)"""
     block_n = 64 if head_dim <= 128 else 32  # a K and a V tile of 16 KiB at bf16 either way
     block_h = min(64, max(16, triton_block_d(group)))  # tl.dot takes 16 rows at least
     head_blocks = math.ceil(group / block_h)
     pairs = rows * kv_heads * head_blocks
-    splits = max(1, min(MAX_SPLITS, math.ceil(PROGRAMS_PER_SM * sms / pairs)))
+    splits = 1 if pairs >= sms else min(MAX_SPLITS, math.ceil(PROGRAMS_PER_SM * sms / pairs))
     return Plan(block_n, block_h, head_blocks, splits)
 
 
