@@ -8,9 +8,9 @@ cache laid out ``[pages, page, kv_heads, head_dim]`` (vLLM's layout); ``seq_lens
 live (0: a padded row of a captured batch, which reads nothing and outputs zeros).
 
 The layout is flash-decoding's, as FlashInfer's and FlashAttention's kvcache path have it: a
-program owns one (row, KV head) and a share of its keys, and computes *all the query heads of that KV head's
-group* against each block of keys it loads, so every key and value is read from memory once per
-call, not once per query head (a 6x re-read at 12 query / 2 KV heads). The group's queries form
+program owns one (row, KV head) and a share of its keys, and computes *all the query heads of that
+KV head's group* against each block of keys it loads, so every key and value is read from memory
+once per call, not once per query head (a 6x re-read at 12 query / 2 KV heads). The group's queries form
 the rows of a ``tl.dot`` (padded to the 16 rows a tensor-core tile needs; a group larger than 64
 is cut into several programs), so scores and the weighted sum of values are tensor-core products.
 
