@@ -134,8 +134,9 @@ def measure(batch: int, context: int, bandwidth: float, variants: bool) -> dict:
     row["vs_sdpa"] = round(row["paged_us"] / flash_us, 2) if isinstance(flash_us, float) else None
     row["vs_floor"] = round(row["paged_us"] / row["floor_us"], 2)
     if variants:
-        timed = {"chosen_plan": str(launch_variants(batch)["chosen"])}
-        for name, launch in launch_variants(batch).items():
+        launches = launch_variants(batch)
+        timed = {"chosen_plan": str(launches["chosen"])}
+        for name, launch in launches.items():
             try:
                 torch.testing.assert_close(paged(case, 0, out, launch), sdpa(case, 0), atol=2e-2, rtol=2e-2)
                 timed[name] = graph_us(lambda i: paged(case, i % sets, out, launch), calls)
