@@ -18,10 +18,11 @@ def report(row: dict) -> None:
     print(PREFIX + json.dumps(row), flush=True)
 
 
-def child_row(cmd: list, timeout: int, caches: str | None = None) -> dict:
+def child_row(cmd: list, timeout: int, caches: str | None = None, env: dict | None = None) -> dict:
     """Run ``cmd``; its last reported row, or ``{"error": ...}`` (its stderr's end, or the timeout).
-    ``caches``: a folder for the child's Inductor and Triton caches (a cold start: an empty one)."""
-    env = dict(os.environ)
+    ``caches``: a folder for the child's Inductor and Triton caches (a cold start: an empty one);
+    ``env``: more environment entries."""
+    env = {**os.environ, **(env or {})}
     if caches is not None:
         env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
     try:

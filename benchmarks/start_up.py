@@ -46,6 +46,7 @@ _STARTED = time.perf_counter()  # before torch is imported: start-up counts the 
 _STARTED_WALL = time.time()  # the same moment on the clock the compile workers share
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -55,6 +56,7 @@ import tempfile
 
 import torch
 
+from benchmarks import triton_compiles
 from benchmarks.child_rows import child_row, report
 from benchmarks.serving import CONFIGS, build
 from toys import engine as toy
@@ -212,6 +214,28 @@ def _serve_across_the_switch(engine, args, vocab: int) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _profiled(args, key: str, into: dict | None = None):
+    """``--profile``: where a phase's time goes (cProfile's top entries by cumulative time) into ``into[key]``."""
+    into = {} if into is None else into
+    if not args.profile:
+        yield into
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        yield into
+    finally:
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(args.profile)
+        into[key] = [line.strip() for line in text.getvalue().splitlines() if line.strip()[:1].isdigit()]
+
+
 def child(args) -> None:
     variant = args.variant
     try:
@@ -222,9 +246,11 @@ def child(args) -> None:
             piecewise_backend.start_compile_workers()  # the recipe's first line: workers start as the model loads
         model = build(args.config, variant, device, dtype)
         probe = _engine(model, None, args, device, dtype)
-        forward, load_s = _forward(model, variant, args, probe.example_calls)
+        with _profiled(args, "profile_load") as profiles:
+            forward, load_s = _forward(model, variant, args, probe.example_calls)
         engine = _engine(model, forward, args, device, dtype, mark_dynamic=variant != "warm" and "unbacked")
-        engine.warm_up(freeze_gc=True)
+        with _profiled(args, "profile_warm_up", profiles):
+            engine.warm_up(freeze_gc=True)
         if device == "cuda":
             torch.cuda.synchronize()
         row = {
@@ -233,6 +259,7 @@ def child(args) -> None:
             "startup_s": round(time.perf_counter() - _STARTED, 2),
             **_times(),
             "load_s": round(load_s, 2),
+            **profiles,
         }
         if variant.startswith("serve-first"):
             from piecewise_backend.persist.compile_behind import worker_count
@@ -249,6 +276,8 @@ def child(args) -> None:
         from torch._dynamo.utils import counters
 
         row["dynamo_frames"] = sum(counters["frames"].values())
+        compiles = triton_compiles.compiled(os.environ.get(triton_compiles.LOG, ""))
+        row["triton_compiles"], row["triton_compiled"] = sum(compiles.values()), compiles
         row["inductor_cache"] = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     except Exception as exc:  # a variant that fails is a result: say how
         row = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
@@ -279,6 +308,7 @@ def main() -> None:
     parser.add_argument("--switch-timeout", type=int, default=240)
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--profile", type=int, default=0, help="the top N functions of load and warm-up, by cumulative time")
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
     parser.add_argument("--caches", help=argparse.SUPPRESS)
     parser.add_argument("--artifact", help=argparse.SUPPRESS)
@@ -304,7 +334,8 @@ def main() -> None:
             "--artifact",
             artifact,
         ]
-        row = child_row(cmd, args.child_timeout, caches=caches)
+        compile_log = str(work / f"triton-compiles-{variant}.log")
+        row = child_row(cmd, args.child_timeout, caches=caches, env=triton_compiles.counted_env(compile_log))
         row = {"variant": variant, "caches": CACHES[variant], **row}
         result["startup"] = [r for r in result.get("startup", []) if r["variant"] != variant] + [row]
         print(json.dumps(row), flush=True)
