@@ -7,7 +7,8 @@ The name is found through the ``torch_dynamo_backends`` entry point once the pac
 ``backend=piecewise_backend.piecewise`` works too. ``with cudagraph_mode("full"):`` around a call
 captures it whole (a serving engine's decode step); ``piecewise_backend.ops`` holds the paged decode
 attention that makes such a step graph-safe. ``save(model.forward, example_inputs, path)`` and
-``load(path, model.forward)`` start a later process with no trace and no compile (``persist/``).
+``load(path, model.forward)`` start a later process with no trace and no compile (``persist/``;
+``preload(path)`` first overlaps the loading with building the model).
 """
 
 from .backend import piecewise
@@ -17,9 +18,16 @@ from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_spli
 from .observe.reports import capture_table, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
 from .persist.compile_behind import start_compile_workers
-from .persist.warm_start import load, save
+from .persist.warm_start import load, preload, save
 from .plan.emulation import emulated_graphs
-from .registry import capture, compiled_graphs, estimate_graph_memory, graph_memory_bytes, release_graphs
+from .registry import (
+    capture,
+    compiled_graphs,
+    estimate_graph_memory,
+    graph_memory_bytes,
+    release_graphs,
+    wait_for_captures,
+)
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
 from .runtime.graph_mode import cudagraph_mode
@@ -34,6 +42,7 @@ __all__ = [
     "CompiledGraph",
     "compiled_graphs",
     "capture",
+    "wait_for_captures",
     "release_graphs",
     "estimate_graph_memory",
     "process_stats",
@@ -59,5 +68,6 @@ __all__ = [
     "GraphMode",
     "save",
     "load",
+    "preload",
     "start_compile_workers",
 ]

@@ -41,6 +41,7 @@ class Miss(_Text):
     WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
     NEVER_REPLAYED = "a new shape while the shapes captured before were never replayed"
     MODE_NONE = "cudagraph_mode('none') around the call"
+    CAPTURING_BEHIND = "the first call, served while eager_capture_sizes are captured behind it"
 
 
 class CaptureHow(_Text):

@@ -8,6 +8,7 @@ stats and reports name a graph by its serial.
 from __future__ import annotations
 
 import itertools
+import time
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -47,6 +48,18 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
             stacklevel=2,
         )
     return {g.serial: g.capture(sizes) for g in able}
+
+
+def wait_for_captures(timeout: float | None = None) -> bool:
+    """Wait until every live graph's ``eager_capture_sizes`` (captured in a thread behind its first
+    call) are captured; True if they were within ``timeout`` seconds (a server need not wait: calls
+    meanwhile replay what is captured, or capture their own size)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for graph in compiled_graphs():
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not graph.wait_for_captures(left):
+            return False
+    return True
 
 
 def _able_to_capture() -> tuple[list, str]:

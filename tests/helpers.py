@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+import piecewise_backend
 from piecewise_backend.config import PiecewiseConfig
 from piecewise_backend.split.splitting import split_graph
 from toys.models import decode_loop, reset_caches
@@ -91,12 +92,22 @@ def last_serial() -> int:
 
 
 def decode_at_sizes(
-    compiled, reference, sizes, steps: int = 2, device="cpu", static_cache=False, seed=0, start_pos: int = 0
+    compiled,
+    reference,
+    sizes,
+    steps: int = 2,
+    device="cpu",
+    static_cache=False,
+    seed=0,
+    start_pos: int = 0,
+    wait_for_captures: bool = True,
 ):
     """Decode steps at each batch size in ``sizes`` through ``compiled`` and through ``reference``
     (an identical eager copy), marking the batch dynamic; returns (size, compiled out, eager out).
 
     ``static_cache``: the model takes a position tensor (ToyStaticCacheLlama) instead of an int.
+    ``wait_for_captures``: after each call, until ``eager_capture_sizes`` captured behind a first call
+    are in (the same order of captures on every run).
     """
     g = torch.Generator().manual_seed(seed)
     results, pos = [], start_pos
@@ -107,6 +118,8 @@ def decode_at_sizes(
                 torch._dynamo.mark_dynamic(ids, 0)
             where = torch.tensor([pos], device=device) if static_cache else pos
             results.append((size, compiled(ids, where).clone(), reference(ids, where).clone()))
+            if wait_for_captures:
+                piecewise_backend.wait_for_captures()
             pos += 1
     return results
 

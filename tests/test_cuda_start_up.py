@@ -5,11 +5,16 @@ unchanged across the switch. (A saved graph loaded in a second process on CUDA: 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+import piecewise_backend
 from toys.engine import ATTENTION, TINY, Engine, EngineModel, seeded_trace
 
 from .helpers import graphs_since, last_serial
@@ -68,3 +73,51 @@ def test_served_first_then_switched_to_inductor_compiled_in_a_worker_keeps_eager
         g.stats.summary() for g in graphs
     ]
     assert sum(g.stats.full_replays for g in graphs) > 0
+
+
+WARM_CHILD = """
+import json, sys, torch
+import piecewise_backend
+from tests.test_cuda_start_up import OPTIONS, _model
+from toys.engine import Engine, seeded_trace
+torch.manual_seed(0)
+model = _model()
+with torch.inference_mode():
+    forward = piecewise_backend.load(sys.argv[1], model.forward, options=OPTIONS)
+engine = Engine(model, forward, max_num_tokens=32, max_num_seqs=5, num_blocks=80, device="cuda", mark_dynamic=False)
+print(json.dumps([r.output for r in engine.run(seeded_trace(8, seed=6, vocab=model.cfg.vocab))]))
+"""
+
+
+def test_the_engine_saved_then_loaded_in_a_fresh_container_compiles_no_triton_kernel_and_gives_eager_tokens(
+    tmp_path,
+):
+    from benchmarks import triton_compiles
+    from piecewise_backend.persist.artifact_file import ArtifactFile
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _model()
+    expected = [r.output for r in _engine(model, None, "piecewise").run(seeded_trace(8, seed=6, vocab=model.cfg.vocab))]
+    path = str(tmp_path / "engine.bin")
+    examples = Engine(model, None, max_num_tokens=32, max_num_seqs=5, num_blocks=80, device="cuda").example_calls()
+    with torch.inference_mode():
+        saved = piecewise_backend.save(model.forward, examples, path, options=OPTIONS)
+    engine = Engine(model, saved, max_num_tokens=32, max_num_seqs=5, num_blocks=80, device="cuda", mark_dynamic=False)
+    assert [r.output for r in engine.run(seeded_trace(8, seed=6, vocab=model.cfg.vocab))] == expected
+    kernels = ArtifactFile.read(path).kernels  # the paged kernels the decode steps launched, written after them
+    assert any("paged_decode" in k["group"] for k in kernels.values()), [k["group"] for k in kernels.values()]
+
+    log = str(tmp_path / "compiles.log")
+    env = {
+        **os.environ,
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "fresh" / "inductor"),
+        "TRITON_CACHE_DIR": str(tmp_path / "fresh" / "triton"),
+        **triton_compiles.counted_env(log),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", WARM_CHILD, path], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == expected
+    assert triton_compiles.compiled(log) == {}  # Inductor's kernels and the package's came from the artifact

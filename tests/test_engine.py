@@ -180,3 +180,24 @@ def test_in_full_mode_an_op_tagged_cudagraph_unsafe_is_still_split_and_never_cap
     graph = max(graphs_since(start), key=lambda g: g.stats.calls)
     assert graph.stats.num_split_pieces == TINY.layers and graph.stats.unsafe_ops == (TAGGED_ATTENTION,)
     assert graph.stats.replays > 0 and graph.stats.failed_captures == 0, graph.stats.summary()
+
+
+def test_warm_up_captures_nothing_and_the_first_requests_capture_what_they_need():
+    torch._dynamo.reset()
+    start = last_serial()
+    model = EngineModel(dataclasses.replace(TINY, attention_op=ATTENTION)).init_weights_().eval()
+    expected, _ = _serve(model, None, requests=4)
+    options = {"extra_splitting_ops": [ATTENTION], "row_independent_ops": [ATTENTION]}
+    engine = Engine(model, torch.compile(model, backend="piecewise", options=options), max_num_tokens=32)
+    engine.warm_up()  # compiles every graph a step takes (vLLM's dummy runs), un-graphed
+    graphs = graphs_since(start)
+    assert graphs and all(g.stats.calls > 0 and not g.stats.events for g in graphs), [g.stats.summary() for g in graphs]
+    assert [r.output for r in engine.run(seeded_trace(4, seed=1, vocab=model.cfg.vocab))] == expected
+    assert sum(len(g.stats.events) for g in graphs_since(start)) > 0  # captured as the requests came
+    assert {e.how for g in graphs_since(start) for e in g.stats.events} == {"lazy"}
+
+    held = Engine(model, torch.compile(model, backend="piecewise", options=options), max_num_tokens=32)
+    torch._dynamo.reset()
+    start = last_serial()
+    held.warm_up(capture=True)  # the old way: start-up pays for the dummy steps' graphs
+    assert sum(len(g.stats.events) for g in graphs_since(start)) > 0

@@ -480,6 +480,7 @@ class Engine:
         self.max_num_tokens, self.max_num_seqs, self.mark_dynamic = max_num_tokens, max_num_seqs, mark_dynamic
         self.graph_mode = graph_mode
         self.time_phases = time_phases and self.device.type == "cuda"
+        self._mode_override: str | None = None  # warm_up's dummy steps run un-graphed
         shape = (num_blocks, cfg.block_size, cfg.kv_heads, cfg.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
@@ -506,17 +507,24 @@ class Engine:
             )
         self.waiting.append(request)
 
-    def warm_up(self, freeze_gc: bool = False, decode_sizes=()) -> None:
+    def warm_up(self, freeze_gc: bool = False, decode_sizes=(), capture: bool = False) -> None:
         """What an engine does before it serves (vLLM's dummy runs): one step at the full token budget
-        and one decode step of a single token, so that compiling (and any capture up front) happens
-        here, not at the first request. Leaves the engine as it was. ``decode_sizes``: then a dummy
-        decode step of each of these sizes (every row padding: it writes and reads nothing), which
-        captures the full graph of each size up front. ``freeze_gc``: then move every
-        object alive into the collector's permanent generation (``gc.freeze``), as a long-running
-        server does after start-up: the compiled code and graphs are never scanned again."""
+        and one decode step of a single token, so that compiling happens here, not at the first
+        request. They run un-graphed (``cudagraph_mode("none")``): nothing is captured before the
+        first request, which captures the sizes it needs as they come (a warm start from a saved
+        artifact then serves at once). ``capture``: the dummy steps capture their own sizes too
+        (start-up pays for graphs the traffic may never use). ``decode_sizes``: then a dummy decode
+        step of each of these sizes (every row padding: it writes and reads nothing), which
+        captures the full graph of each size up front, holding the start. ``freeze_gc``: then move
+        every object alive into the collector's permanent generation (``gc.freeze``), as a
+        long-running server does after start-up: the compiled code and graphs are never scanned again."""
         dummy = [Request(-1, [0] * self.max_num_tokens, 1), Request(-2, [0], 2)]
-        for request in dummy:
-            self.run([request])
+        self._mode_override = None if capture else "none"
+        try:
+            for request in dummy:
+                self.run([request])
+        finally:
+            self._mode_override = None
         self.finished.clear()
         self.steps.clear()
         for size in sorted(decode_sizes or ()):  # smallest first: each is captured, none rides a larger one
@@ -652,7 +660,7 @@ class Engine:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         if self.mark_dynamic:  # as vLLM does: one graph for every token count, not one per first size
             self._mark(ids, positions)
-        mode = "full" if isinstance(meta, DecodeMetadata) else "piecewise"
+        mode = self._mode_override or ("full" if isinstance(meta, DecodeMetadata) else "piecewise")
         with forward_context(meta), piecewise_backend.cudagraph_mode(mode), torch.inference_mode():
             return self.forward(ids, positions)
 

@@ -30,6 +30,8 @@ try:  # Triton ships with CUDA builds of torch; CPU builds run prefix attention 
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
+from .kernel_bundle import note  # noqa: E402 - after the optional Triton import
+
 MAX_SPLITS = 256  # chunks per (row, head) at most: the merge reduces them in one block
 
 
@@ -192,7 +194,7 @@ def launch(
     block_d = triton_block_d(dim)
     # a broadcast dim of the mask (size 1) is read at stride 0; without a mask, q stands in (never read)
     mask_strides = [0 if mask.shape[i] == 1 else mask.stride(i) for i in (0, 1, 3)] if mask is not None else [0, 0, 0]
-    _partial_kernel[(batch * heads, splits)](
+    launched = _partial_kernel[(batch * heads, splits)](
         q,
         keys,
         values,
@@ -221,7 +223,9 @@ def launch(
         MASK_BOOL=mask is not None and mask.dtype == torch.bool,
         num_warps=warps,
     )
-    _merge_kernel[(batch * heads,)](
+    note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
+    launched = _merge_kernel[(batch * heads,)](
         partial, lse, out, length, splits, chunk, HEAD_DIM=dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(splits)
     )
+    note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
     return out

@@ -38,6 +38,7 @@ import os
 import torch
 
 from .kernel import triton, triton_block_d
+from .kernel_bundle import note
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 32  # programs per (row, KV head) at most
@@ -261,7 +262,7 @@ def decode_attention(
         partial = torch.empty(rows * heads * launch.splits, dim, device=q.device, dtype=torch.float32)
         lse = torch.empty(rows * heads * launch.splits, device=q.device, dtype=torch.float32)
     block_d = max(16, triton_block_d(dim))  # a tensor-core product takes 16 at least
-    _paged_decode_kernel[(rows * kv_heads * launch.head_blocks, launch.splits)](
+    launched = _paged_decode_kernel[(rows * kv_heads * launch.head_blocks, launch.splits)](
         q,
         k_cache,
         v_cache,
@@ -291,6 +292,7 @@ def decode_attention(
         num_warps=launch.warps,
         num_stages=launch.stages,
     )
+    note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
     if not single:
         _merge(partial, lse, out, seq_lens, launch)
     return out
@@ -301,7 +303,7 @@ def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens
     rows, heads, dim = out.shape
     block_d = triton_block_d(dim)
     block_s = min(triton.next_power_of_2(launch.splits), max(1, 4096 // block_d))
-    _merge_kernel[(rows * heads,)](
+    launched = _merge_kernel[(rows * heads,)](
         partial,
         lse,
         out,
@@ -316,6 +318,7 @@ def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens
         BLOCK_S=block_s,
         S_TILES=math.ceil(launch.splits / block_s),
     )
+    note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
 
 
 def cache_write(
@@ -323,7 +326,7 @@ def cache_write(
 ) -> None:
     """The Triton path of ``paged_attention.paged_cache_write``."""
     rows, kv_heads, dim = k.shape
-    _cache_write_kernel[(rows,)](
+    launched = _cache_write_kernel[(rows,)](
         k,
         v,
         k_cache,
@@ -346,3 +349,4 @@ def cache_write(
         BLOCK_D=triton_block_d(dim),
         num_warps=1 << (max(1, min(4, kv_heads * dim // 256)).bit_length() - 1),
     )  # a power of two
+    note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import io
-import os
-import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -94,13 +92,10 @@ def guard_failure(functions: list, args: tuple, kwargs: dict) -> str:
     return "; ".join(str(fn._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts) for fn in functions)
 
 
-_FORMAT = "piecewise-warm-start-1"
-
-
-def write_functions(path: str, functions: list) -> None:
-    """Save ``aot_compile`` results (one per graph Dynamo made of the function) in one file."""
+def serialize_functions(functions: list) -> list[bytes]:
+    """``aot_compile`` results (one per graph Dynamo made of the function) as bytes, each."""
     try:
-        data = [type(fn).serialize(fn).serialized_data for fn in functions]
+        return [type(fn).serialize(fn).serialized_data for fn in functions]
     except RuntimeError as exc:  # torch's words (2.11, 2.13): "Failed to serialize the following objects"
         if "Failed to serialize" not in str(exc):
             raise
@@ -109,19 +104,11 @@ def write_functions(path: str, functions: list) -> None:
             f"The forward of one of torch's own module classes (nn.Linear, nn.Sequential, ...) is not saveable: "
             f"wrap the model in a module class of your own whose forward calls it, and save that forward."
         ) from None
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        pickle.dump({"format": _FORMAT, "functions": data}, f)
-    os.replace(tmp, path)
 
 
-def read_functions(path: str) -> list:
+def deserialize_functions(data: list[bytes]) -> list:
     """The saved functions, through torch's loader (which checks torch's version, the Python, the GPU)."""
-    with open(path, "rb") as f:
-        saved = pickle.load(f)
-    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
-        raise ValueError(f"{path} is not a file piecewise_backend.save wrote (format {_FORMAT})")
-    return [torch.compiler.load_compiled_function(io.BytesIO(data)) for data in saved["functions"]]
+    return [torch.compiler.load_compiled_function(io.BytesIO(one)) for one in data]
 
 
 def warm_inductor(device: str) -> None:

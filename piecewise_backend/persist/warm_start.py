@@ -9,17 +9,23 @@ Nothing that does not fit runs: an artifact from another torch or package versio
 device, or for model code edited since (the sources Dynamo traced are compared), is refused when
 loading, and a call the saved guards refuse (another dtype, another input rank) is not run on it.
 Either way the function is compiled as it would have been without the artifact, and a warning says
-why, once.
+why, once. The package's own Triton kernels travel in the file too (``artifact_file.py``), so a
+fresh container compiles no kernel; :func:`preload` reads it while the model is being built.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import threading
+import time
 import warnings
 from collections.abc import Callable, Mapping
 
 import torch
 
 from . import _torch_internals
+from .artifact_file import ArtifactFile
 
 
 def _compile(fn: Callable, options: Mapping | None, dynamic: bool | None) -> Callable:
@@ -45,13 +51,17 @@ def _examples(example_inputs) -> list[tuple[tuple, dict]]:
 
 class WarmFunction:
     """Saved compiled functions (one per graph), called as the function they were made from (a bound
-    method's ``self`` passed as the saved code expects), or its fallback compile where none fits."""
+    method's ``self`` passed as the saved code expects), or its fallback compile where none fits.
+    After a call that launched a kernel of the package's that the file lacks, the file gets it."""
 
-    def __init__(self, functions: list, fn: Callable, options: Mapping | None, dynamic: bool | None):
-        self.functions, self.fn = functions, fn
+    def __init__(
+        self, functions: list, fn: Callable, options: Mapping | None, dynamic: bool | None, file: ArtifactFile
+    ):
+        self.functions, self.fn, self.file = functions, fn, file
         self._bound = (fn.__self__,) if hasattr(fn, "__self__") and not isinstance(fn, torch.nn.Module) else ()
         self._options, self._dynamic = options, dynamic
         self._fallback: Callable | None = None
+        self.load_seconds: dict = {}  # load(): reading the file, the kernels into Triton's cache, the code
 
     @property
     def fallback(self) -> Callable:
@@ -63,7 +73,9 @@ class WarmFunction:
         args = self._bound + args
         saved = _torch_internals.fitting(self.functions, args, kwargs)
         if saved is not None:
-            return saved.fn(*args, **kwargs)
+            out = saved.fn(*args, **kwargs)
+            self.file.keep_current()
+            return out
         if self._fallback is None:
             reason = _torch_internals.guard_failure(self.functions, args, kwargs)
             warnings.warn(
@@ -88,20 +100,91 @@ def save(
     with _torch_internals.aot_compile_enabled():
         compiled = _compile(fn, options, dynamic)
         functions = [compiled.aot_compile(example) for example in examples]
-    _torch_internals.write_functions(path, functions)
-    return WarmFunction(functions, fn, options, dynamic)
+    file = ArtifactFile(path, _torch_internals.serialize_functions(functions))
+    file.write()
+    return WarmFunction(functions, fn, options, dynamic, file)
+
+
+_PRELOADS: dict[str, concurrent.futures.Future] = {}
+_PRELOADS_LOCK = threading.Lock()
+
+
+def preload(path: str) -> None:
+    """Start loading ``path`` in a thread, before the model exists; :func:`load` takes the result.
+
+    Loading a saved artifact is reading it, putting its kernels into Triton's cache, and rebuilding
+    its compiled code, with the imports of torch's compiler that this needs (seconds, and none of it
+    needs the model). Called first, before the model is built and its weights read, all of that
+    overlaps them. Calling it is optional: :func:`load` does the same work itself when it was not.
+
+    Call it in the grad mode that :func:`load` is called in (``torch.inference_mode()`` for a
+    server): the saved guards are rebuilt in it, as they would be in ``load``; a ``load`` in another
+    mode reads the file again itself.
+    """
+    key = os.path.abspath(path)
+    mode = _grad_mode()
+    with _PRELOADS_LOCK:
+        if key in _PRELOADS:
+            return
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.mode = mode
+        _PRELOADS[key] = future
+
+    def work() -> None:
+        try:
+            with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
+                future.set_result(_read(path))
+        except BaseException as exc:  # noqa: BLE001 - load() reads it again, and says why if it fails
+            future.set_exception(exc)
+
+    threading.Thread(target=work, name="piecewise-preload", daemon=True).start()
+
+
+def _grad_mode() -> tuple[bool, bool]:
+    """Inference mode and grad mode of this thread: the saved guards' tensor checks are built in them."""
+    return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+
+def _read(path: str) -> tuple:
+    """The artifact's file, its functions (the compiled code rebuilt) and where the time went."""
+    began = time.perf_counter()
+    file = ArtifactFile.read(path)
+    read = time.perf_counter()
+    emitted = file.emit_kernels()  # before anything launches them
+    emit = time.perf_counter()
+    functions = _torch_internals.deserialize_functions(file.functions)
+    seconds = {"read_s": read - began, "kernels_s": emit - read, "code_s": time.perf_counter() - emit}
+    return file, functions, {**seconds, "kernels_written": emitted}
+
+
+def _preloaded(path: str) -> tuple:
+    """What :func:`preload` made of ``path`` (waited for), else the same made now."""
+    with _PRELOADS_LOCK:
+        future = _PRELOADS.pop(os.path.abspath(path), None)
+    if future is not None and future.mode == _grad_mode():
+        began = time.perf_counter()
+        try:
+            file, functions, seconds = future.result()
+            return file, functions, {**seconds, "preloaded": True, "waited_s": time.perf_counter() - began}
+        except Exception:  # noqa: BLE001 - read again here: an error then is the artifact's, said by load()
+            pass
+    return _read(path)
 
 
 def load(path: str, fn: Callable, *, options: Mapping | None = None, dynamic: bool | None = None) -> Callable:
-    """``fn`` compiled as :func:`save` saved it to ``path``, with no trace and no compile; where the
-    artifact does not fit (missing, another torch or package, another device, model code changed),
-    a warning says why and ``fn`` is compiled with ``options`` instead."""
+    """``fn`` compiled as :func:`save` saved it to ``path``, with no trace and no compile, and the
+    package's kernels the saving process launched put into Triton's cache (no Triton compile either;
+    :func:`preload` earlier does this reading in a thread while the model is built);
+    where the artifact does not fit (missing, another torch or package, another device, model code
+    changed), a warning says why and ``fn`` is compiled with ``options`` instead."""
     try:
-        functions = _torch_internals.read_functions(path)
+        file, functions, seconds = _preloaded(path)
         changed = sorted({m for f in functions for m in _torch_internals.changed_sources(f)})
         if changed:
             raise RuntimeError(f"the model's code changed since it was saved ({', '.join(changed)})")
     except Exception as exc:  # noqa: BLE001 - whatever stops the artifact: compile as without it
         warnings.warn(f"piecewise: not loading {path}: {type(exc).__name__}: {exc}. Compiling instead.", stacklevel=2)
         return _compile(fn, options, dynamic)
-    return WarmFunction(functions, fn, options, dynamic)
+    warm = WarmFunction(functions, fn, options, dynamic, file)
+    warm.load_seconds = seconds  # where a warm start's load went (benchmarks/start_up.py reports it)
+    return warm

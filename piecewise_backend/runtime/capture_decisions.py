@@ -12,8 +12,9 @@ The questions, in the order a call asks them (:meth:`CaptureDecisions.graphs_all
 2. **Full or piecewise?** Under ``cudagraph_mode("full")`` (``graph_mode.py``) a full graph of the
    whole call serves it where the plan allows one and its key's capture has not failed; else the
    call runs piecewise, the reason counted. Under ``"none"``: un-graphed.
-3. **The first call** remembers what up-front capture needs and captures ``eager_capture_sizes``
-   before its own output (``up_front.py`` executes it).
+3. **The first call** remembers what up-front capture needs and hands ``eager_capture_sizes`` to a
+   thread that captures them behind it (``background_capture.py``), itself served un-graphed; with
+   collectives, it captures them before its own output (``up_front.py`` executes both).
 4. **Which key?** ``capture_policy.CapturePolicy`` maps the shape key to a :class:`~.capture_policy.Route`:
    replay a captured key (maybe padded), capture a new one, ride a larger captured graph while the
    size's own capture waits (``capture_deferral.py``), or run un-graphed with a counted reason. The
@@ -78,6 +79,7 @@ class CaptureDecisions:
         self.full_refusal = plan.full.refusal
         self.weights = WeightSets(plan.inputs.weight_indices, settings.max_weight_sets)
         self.active = WeightSet(0)  # until the first call's addresses make one (weights_ready)
+        self.behind = None  # eager_capture_sizes being captured in a thread (background_capture.py)
         self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None
         self._names = plan.inputs.names
         self._pad = plan.key.pad_position
@@ -165,6 +167,8 @@ class CaptureDecisions:
     def route(self, key: tuple, args: tuple, mode: GraphMode, up_front) -> Route:
         """What this call does (``up_front``: the graph's ``UpFrontCapture``, which executes step 3)."""
         if mode is GraphMode.NONE:
+            if not up_front.remembered:  # an un-graphed warm-up still lets capture() run after it
+                up_front.remember(key, args)
             self.stats.misses[Miss.MODE_NONE] += 1
             if self._pad is not None:
                 self.stats.batch_sizes[key[self._pad]] += 1
@@ -203,10 +207,18 @@ class CaptureDecisions:
             self._first = False
             up_front.remember(key, args)
             sizes = self.eager_sizes(up_front)
-            if sizes:
-                up_front.capture_sizes(sizes)  # before the first output
+            if sizes and self.agreement is not None:  # collectives: every rank in one order, before the output
+                up_front.capture_sizes(sizes)
+            elif sizes:  # behind this call, in a thread, largest first
+                self.behind = up_front.capture_behind(sizes)
         active = self.active
         route = self.policy.route(key, active.captured, self.memory, active.unreplayed)
+        if (
+            (route.capture or route.miss is Miss.NOT_CAPTURED)
+            and self.behind is not None
+            and not self.behind.done.is_set()
+        ):
+            return Route(None, miss=Miss.CAPTURING_BEHIND)  # served at once, un-graphed; not kept: routed anew
         if route.miss is not None:
             self._warn_refused(key, route)
         if route.key is not None and not route.capture:

@@ -144,6 +144,12 @@ class CompiledGraph:
         with self._guard:
             return self.up_front.capture_sizes(sizes)
 
+    def wait_for_captures(self, timeout: float | None = None) -> bool:
+        """Wait for ``eager_capture_sizes`` captured behind the first call (True: none left, or all
+        done within ``timeout`` seconds)."""
+        behind = self.decisions.behind
+        return behind is None or behind.wait(timeout)
+
     def warn_once(self, topic: str, message: str) -> None:
         self.warnings.once(topic, message)
 

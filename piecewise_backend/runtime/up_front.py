@@ -25,6 +25,7 @@ import torch
 import torch.fx
 
 from ..plan.types import SymSpec, TensorSpec
+from .background_capture import BackgroundCapture
 from .symbolic import materialize, symbol_values
 
 if TYPE_CHECKING:
@@ -51,6 +52,12 @@ class CaptureHost(Protocol):
 
     def capture_up_front(self, key: tuple, sym_values: dict, run: Callable[[], Any]) -> Any:
         """Run ``run()`` as the step that captures ``key`` (timed and recorded as up-front)."""
+
+    def capture(self, sizes: Iterable[int]) -> list[tuple]:
+        """Capture ``sizes`` now, holding the call guard (what the thread of ``capture_behind`` calls)."""
+
+    def warn_once(self, topic: str, message: str) -> None:
+        """Warn ``message`` once per ``topic`` for this graph."""
 
 
 class UpFrontCapture:
@@ -145,6 +152,13 @@ class UpFrontCapture:
             self._capture_key(key)
             done.append(key)
         return done
+
+    def capture_behind(self, sizes: Iterable[int]) -> BackgroundCapture:
+        """Capture ``sizes`` in a thread, one at a time, once the call in progress returned
+        (``background_capture.py``): the first call of a graph is not held up by them."""
+        host = self.host
+        warn = lambda message: host.warn_once("eager sizes behind", message)  # noqa: E731
+        return BackgroundCapture(host.capture, sizes, warn, self.plan.device).start()
 
     def keys_of(self, sizes) -> list[tuple]:
         """The shape keys of ``sizes`` (checked), largest first."""
