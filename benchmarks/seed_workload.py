@@ -214,6 +214,7 @@ def serve(args, variant: str) -> tuple[dict, list]:
         "inductor_cache": cache,
         **graph_counts(),
         "requests": len(done),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
     }
     return row, sweep_levels(args, engine, variant, vocab)
 
