@@ -21,6 +21,7 @@ for dir in "$@"; do
   if [ -f "$dir/gms.json" ]; then rec --graph-memory "$dir/gms.json"; fi
   if [ -f "$dir/paged_kernel.json" ]; then rec --paged-kernel "$dir/paged_kernel.json"; fi
   if [ -f "$dir/seed.json" ]; then rec --seed-workload "$dir/seed.json"; fi
+  if [ -f "$dir/start_up.json" ]; then rec --start-up "$dir/start_up.json"; fi
   for f in "$dir"/suite_*.json; do if [ -f "$f" ]; then rec --suite "$f"; fi; done
   python - "$R" "$gpu" "$dir" <<'PY'  # a results file begun here names its GPU and torch (record.py sets them on the GPU only)
 import glob, json, sys

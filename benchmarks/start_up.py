@@ -263,6 +263,7 @@ def child(args) -> None:
             torch.cuda.synchronize()
         row = {
             "variant": variant,
+            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
             "caches": args.caches,
             "startup_s": round(time.perf_counter() - _STARTED, 2),
             **_times(),

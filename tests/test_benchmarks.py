@@ -943,3 +943,26 @@ def test_hybrid_check_row_says_tokens_and_the_share_of_decode_calls_graphed():
     assert row["same_tokens"] and row["decode_calls"] == 10, row
     assert row["decode_share_graphed"] >= 0.9 and row["captures"] > 0, row
     assert row["layer_types"].count("sliding_attention") >= 1, row
+
+
+def test_triton_compiles_are_counted_per_put_group_and_not_per_cache_hit(tmp_path, monkeypatch):
+    """``start_up.py``'s ``triton_compiles``: Triton writes a kernel's group once, when it compiles it."""
+    pytest.importorskip("triton")
+    from benchmarks import triton_compiles
+
+    log = str(tmp_path / "compiles.log")
+    env = triton_compiles.counted_env(log)
+    assert env["TRITON_CACHE_MANAGER"] == "benchmarks.triton_compiles:CountingCacheManager"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    from triton.runtime.cache import get_cache_manager
+
+    manager = get_cache_manager("a" * 64)
+    assert type(manager).__name__ == "CountingCacheManager"  # Triton took the class from the environment
+    path = manager.put(b"binary", "kernel_a.cubin")
+    manager.put_group("kernel_a.json", {"kernel_a.cubin": path})  # what a compile does last
+    assert manager.get_group("kernel_a.json") == {"kernel_a.cubin": path}  # a cache hit writes nothing
+    get_cache_manager("b" * 64).put_group("kernel_b.json", {})
+    assert triton_compiles.compiled(log) == {"kernel_a": 1, "kernel_b": 1}
+    assert triton_compiles.compiled(str(tmp_path / "none.log")) == {}

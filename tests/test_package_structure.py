@@ -161,7 +161,7 @@ LAYERS = {
     "plan": {"fx", "ops", "rewrite", "split", "compiling"},
     "runtime": {"ops", "plan.types"},
     "observe": {"runtime", "registry"},
-    "persist": {"compiling", "plan", "runtime", "registry"},  # across processes: what a build made, saved and loaded
+    "persist": {"ops", "compiling", "plan", "runtime", "registry"},  # across processes: a build and its kernels
 }
 #: Root modules that may import any stage: the pipeline itself, the registry of compiled graphs,
 #: the package's front door and its demo.

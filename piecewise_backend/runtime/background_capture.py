@@ -69,6 +69,7 @@ class BackgroundCapture:
                 f"{type(exc).__name__}: {exc}. Other sizes are captured as they come."
             )
         finally:
+            self._capture = self._warn = None  # no cycle back to the graph once done (it holds this object)
             self.done.set()
 
     def _on_device(self):
