@@ -69,8 +69,9 @@ class PiecewiseConfig:
         padding: pad a batch between capture sizes up to the next one (and slice the outputs
             back). Off, only the listed sizes get graphs. Graphs whose pieces mix rows along the
             batch (a reduction over it) or write the caller's tensors are never padded.
-        eager_capture_sizes: sizes captured up front, largest first, on the graph's first call
-            (a list of capture sizes, or ``"all"``). ``capture()`` does the same on demand.
+        eager_capture_sizes: sizes captured up front, largest first, by a thread behind the
+            graph's first call, which runs un-graphed (a list of capture sizes, or ``"all"``);
+            ``capture()`` captures in the caller's thread, on demand.
         lazy_capture: capture other sizes as they come. Off, a batch pads to the smallest size
             already captured, or runs un-graphed.
         defer_captures: with lazy capture, a size that a larger captured graph can serve replays
