@@ -246,8 +246,7 @@ def child(args) -> None:
         if variant == "warm":
             import piecewise_backend
 
-            with torch.inference_mode():  # as load() below: the guards are rebuilt in the mode of the calls
-                piecewise_backend.preload(args.artifact)  # the recipe's first line: loading overlaps the build
+            piecewise_backend.preload(args.artifact)  # the recipe's first line: reading overlaps the build
         if variant == "serve-first-prestarted":
             import piecewise_backend
 

@@ -106,6 +106,31 @@ def serialize_functions(functions: list) -> list[bytes]:
         ) from None
 
 
+#: Modules that rebuilding a saved function imports (checked on torch 2.11 and 2.13): Dynamo's
+#: package and guards, AOTAutograd's bundled results, Inductor's output code and its kernels'
+#: runtime. Imported ahead by ``preload``; a name a torch lacks is skipped.
+LOADER_MODULES = (
+    "torch._dynamo.package",
+    "torch._dynamo.guards",
+    "torch._functorch._aot_autograd.aot_autograd_result",
+    "torch._inductor.output_code",
+    "torch._inductor.codecache",
+    "torch._inductor.inductor_prims",
+    "torch._inductor.runtime.triton_heuristics",
+    "torch._inductor.async_compile",
+)
+
+
+def import_loaders() -> None:
+    """Import :data:`LOADER_MODULES` (a fresh process spends seconds on them: Inductor's prims and
+    custom ops are built on import, and an image without bytecode caches compiles each source)."""
+    for name in LOADER_MODULES:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - another torch's layout: load() imports what it needs itself
+            continue
+
+
 def deserialize_functions(data: list[bytes]) -> list:
     """The saved functions, through torch's loader (which checks torch's version, the Python, the GPU)."""
     return [torch.compiler.load_compiled_function(io.BytesIO(one)) for one in data]

@@ -110,65 +110,61 @@ _PRELOADS_LOCK = threading.Lock()
 
 
 def preload(path: str) -> None:
-    """Start loading ``path`` in a thread, before the model exists; :func:`load` takes the result.
+    """Start reading ``path`` in a thread, before the model exists; :func:`load` takes what it read.
 
-    Loading a saved artifact is reading it, putting its kernels into Triton's cache, and rebuilding
-    its compiled code, with the imports of torch's compiler that this needs (seconds, and none of it
-    needs the model). Called first, before the model is built and its weights read, all of that
-    overlaps them. Calling it is optional: :func:`load` does the same work itself when it was not.
-
-    Call it in the grad mode that :func:`load` is called in (``torch.inference_mode()`` for a
-    server): the saved guards are rebuilt in it, as they would be in ``load``; a ``load`` in another
-    mode reads the file again itself.
+    The thread reads the file, puts its kernels into Triton's cache and imports the parts of torch's
+    compiler that rebuilding the code needs (seconds on a fresh process, none of it needing the
+    model), so that all of it overlaps building the model. The code itself is rebuilt by
+    :func:`load`, in its caller's thread: rebuilding FX modules traces them, and FX's tracing patches
+    ``torch.nn.Module`` for every thread while it runs (a module called meanwhile elsewhere would be
+    traced too). Calling it is optional: :func:`load` does the same work itself when it was not.
     """
     key = os.path.abspath(path)
-    mode = _grad_mode()
     with _PRELOADS_LOCK:
         if key in _PRELOADS:
             return
         future: concurrent.futures.Future = concurrent.futures.Future()
-        future.mode = mode
         _PRELOADS[key] = future
 
     def work() -> None:
         try:
-            with torch.inference_mode(mode[0]), torch.set_grad_enabled(mode[1]):
-                future.set_result(_read(path))
+            future.set_result(_read_file(path, imports=True))
         except BaseException as exc:  # noqa: BLE001 - load() reads it again, and says why if it fails
             future.set_exception(exc)
 
     threading.Thread(target=work, name="piecewise-preload", daemon=True).start()
 
 
-def _grad_mode() -> tuple[bool, bool]:
-    """Inference mode and grad mode of this thread: the saved guards' tensor checks are built in them."""
-    return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
-
-
-def _read(path: str) -> tuple:
-    """The artifact's file, its functions (the compiled code rebuilt) and where the time went."""
+def _read_file(path: str, imports: bool = False) -> tuple:
+    """The artifact's file, its kernels put into Triton's cache (and torch's loaders imported), timed."""
     began = time.perf_counter()
     file = ArtifactFile.read(path)
     read = time.perf_counter()
     emitted = file.emit_kernels()  # before anything launches them
     emit = time.perf_counter()
-    functions = _torch_internals.deserialize_functions(file.functions)
-    seconds = {"read_s": read - began, "kernels_s": emit - read, "code_s": time.perf_counter() - emit}
-    return file, functions, {**seconds, "kernels_written": emitted}
+    if imports:
+        _torch_internals.import_loaders()
+    seconds = {"read_s": read - began, "kernels_s": emit - read, "imports_s": time.perf_counter() - emit}
+    return file, {**seconds, "kernels_written": emitted}
 
 
-def _preloaded(path: str) -> tuple:
-    """What :func:`preload` made of ``path`` (waited for), else the same made now."""
+def _read(path: str) -> tuple:
+    """The file as :func:`preload` read it (waited for), else read now; then its code rebuilt here."""
     with _PRELOADS_LOCK:
         future = _PRELOADS.pop(os.path.abspath(path), None)
-    if future is not None and future.mode == _grad_mode():
+    file = None
+    if future is not None:
         began = time.perf_counter()
         try:
-            file, functions, seconds = future.result()
-            return file, functions, {**seconds, "preloaded": True, "waited_s": time.perf_counter() - began}
+            file, seconds = future.result()
+            seconds = {**seconds, "preloaded": True, "waited_s": time.perf_counter() - began}
         except Exception:  # noqa: BLE001 - read again here: an error then is the artifact's, said by load()
-            pass
-    return _read(path)
+            file = None
+    if file is None:
+        file, seconds = _read_file(path)
+    began = time.perf_counter()
+    functions = _torch_internals.deserialize_functions(file.functions)
+    return file, functions, {**seconds, "code_s": time.perf_counter() - began}
 
 
 def load(path: str, fn: Callable, *, options: Mapping | None = None, dynamic: bool | None = None) -> Callable:
@@ -178,7 +174,7 @@ def load(path: str, fn: Callable, *, options: Mapping | None = None, dynamic: bo
     where the artifact does not fit (missing, another torch or package, another device, model code
     changed), a warning says why and ``fn`` is compiled with ``options`` instead."""
     try:
-        file, functions, seconds = _preloaded(path)
+        file, functions, seconds = _read(path)
         changed = sorted({m for f in functions for m in _torch_internals.changed_sources(f)})
         if changed:
             raise RuntimeError(f"the model's code changed since it was saved ({', '.join(changed)})")
