@@ -64,8 +64,8 @@ HELPER_PREFIXES = ("cuda_utils", "hip_utils", "__triton_launcher")  # Triton 3.x
 MAX_HELPERS = 64  # the newest ones, where a long-lived cache holds more
 
 
-def cache_folder() -> str | None:
-    """Triton's cache folder in this process (None without Triton)."""
+def cache_folder() -> str:
+    """Triton's cache folder in this process (where it would be, where Triton is older or absent)."""
     try:
         from triton import knobs  # Triton 3.3+
 
@@ -79,7 +79,7 @@ def helper_modules() -> list[dict]:
     launchers this process's kernels use is not told, so all of them, the newest first, at most
     :data:`MAX_HELPERS` (tens of kilobytes each)."""
     folder = cache_folder()
-    if not folder or not os.path.isdir(folder):
+    if not os.path.isdir(folder):
         return []
     found = []
     for entry in os.scandir(folder):
@@ -100,7 +100,7 @@ def emit_helpers(helpers: list[dict]) -> int:
     """Put saved C helpers into this process's Triton cache folder (those there are left); how many."""
     folder = cache_folder()
     written = 0
-    for helper in helpers if folder else ():
+    for helper in helpers:
         target = os.path.join(folder, helper["dir"], helper["name"])
         if os.path.exists(target):
             continue

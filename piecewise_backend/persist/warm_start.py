@@ -159,7 +159,7 @@ def _read(path: str) -> tuple:
             file, seconds = future.result()
             seconds = {**seconds, "preloaded": True, "waited_s": time.perf_counter() - began}
         except Exception:  # noqa: BLE001 - read again here: an error then is the artifact's, said by load()
-            file = None
+            pass
     if file is None:
         file, seconds = _read_file(path)
     began = time.perf_counter()

@@ -1,11 +1,12 @@
 """``eager_capture_sizes`` captured behind the first call, in a thread, not before its output.
 
 Why: a server's first request should not wait for graphs of sizes it may never see (each capture
-is tens of milliseconds; "all" sizes, seconds). So the graph's first call serves at once (its own
-size captured lazily, as any size) and hands the sizes to a thread of its own, which captures
-them one at a time, largest first, through the graph's ``capture()``: each size holds the device's
-call guard (``call_guard.py``) only while it is captured, so the caller's calls go on between
-sizes; a call that comes during one waits for it, as it would for a lazy capture. The thread runs
+is tens of milliseconds; "all" sizes, seconds). So the graph's first call hands the sizes to a
+thread of its own and is served at once, un-graphed (as is any call that would capture while the
+thread runs: ``Miss.CAPTURING_BEHIND``). The thread captures them one at a time, largest first,
+through the graph's ``capture()``: each size holds the device's call guard (``call_guard.py``) only
+while it is captured, so the caller's calls go on between sizes; a call that comes during one
+waits for it, as it would for a lazy capture. The thread runs
 under the grad mode of the first call (graphs and their outputs are the same as in its thread).
 
 Not for graphs with collectives (tensor parallel): every rank must capture in one order with its
