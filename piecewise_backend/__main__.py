@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compiled_graphs
+from ._torch_internals import mark_dynamic
 from .kinds import PieceKind
 
 
@@ -85,7 +86,7 @@ def _decode_ms(step, vocab: int, batch: int, prompt: int, steps: int, device: st
     for pos in range(prompt, prompt + steps):
         ids = logits[:, -1:].argmax(-1)
         if batch > 1:
-            torch._dynamo.mark_dynamic(ids, 0)  # one graph for every batch size
+            mark_dynamic(ids, 0)  # one graph for every batch size
         if device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()

@@ -131,9 +131,9 @@ def test_dynamic_true_graphs_the_serving_model_and_keys_its_python_floats():
 def test_captures_beside_a_thread_drawing_from_the_default_generator_fail_nothing_there():
     """torch 2.11's ``capture_begin`` marks the default generator "capturing" (another thread's draw
     then raises "Offset increment outside graph capture"); pieces that draw nothing are captured
-    without it (``runtime/_torch_internals.py``), so the neighbour's draws never fail while sizes
+    without it (``_torch_internals/cuda_capture.py``), so the neighbour's draws never fail while sizes
     1 to 41 are captured lazily beside it."""
-    from piecewise_backend.runtime import _torch_internals
+    from piecewise_backend._torch_internals import cuda_capture as _torch_internals
 
     model = Mlp().cuda().eval()
     compiled, start = _compiled(model)

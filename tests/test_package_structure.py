@@ -1,5 +1,5 @@
 """The package stays easy to live in: no import circles, small modules and functions, no toys shipped,
-and private torch APIs only in ``_torch_internals.py``. Read from the source (no import needed)."""
+and private torch APIs only in the ``_torch_internals/`` folder. Read from the source (no import needed)."""
 
 from __future__ import annotations
 
@@ -124,12 +124,12 @@ def _code_without_strings(path: pathlib.Path) -> list[tuple[int, str]]:
 
 def test_private_torch_apis_only_in_torch_internals():
     private = re.compile(
-        r"^torch\._(?!dynamo\.(mark_dynamic|reset)$)|^\.node\.expr|^\._schema\b|StorageWeakRef"
+        r"^torch\._|^\.node\.expr|^\._schema\b|StorageWeakRef"
         r"|lazy_format_graph_code|^\._codegen\b"
     )
     found = []
     for path in MODULES:
-        if path.name == "_torch_internals.py":
+        if "_torch_internals" in path.relative_to(PACKAGE).parts:
             continue
         tokens = _code_without_strings(path)
         for i in range(len(tokens)):
@@ -149,6 +149,8 @@ def test_every_package_folder_is_a_package():
 
 #: Root modules every stage may import: the vocabulary the whole package speaks.
 SHARED = {"_torch_internals", "kinds", "op_names", "config"}
+#: Of those, the folders: torch's private APIs, the one place a torch upgrade is read.
+SHARED_FOLDERS = {"_torch_internals"}
 #: What each stage folder may import besides itself and ``SHARED`` (``backend.py``'s order: rewrite →
 #: split → compiling → plan → runtime). Run time imports only the plan's types and ``ops/``; compile
 #: time never imports run time.
@@ -195,7 +197,7 @@ def test_the_package_root_holds_at_most_eight_modules_besides_the_stage_folders(
     root = sorted(p.name for p in PACKAGE.glob("*.py"))
     folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
     assert len(root) <= 8, root
-    assert set(folders) == set(LAYERS), folders  # every folder has its place in the layering
+    assert set(folders) == set(LAYERS) | SHARED_FOLDERS, folders  # every folder has its place in the layering
 
 
 def test_each_stage_folder_says_what_it_takes_and_gives():

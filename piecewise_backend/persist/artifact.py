@@ -23,9 +23,9 @@ import pickle
 
 import torch
 
+from .._torch_internals import aot as _torch_internals
 from ..registry import register
 from ..runtime.compiled_graph import CompiledGraph
-from . import _torch_internals
 from .piece_code import ArtifactTable, NotSaveable, load_code, save_code
 
 FORMAT = 2  # 2: the run-time settings travel in the plan

@@ -24,12 +24,23 @@ import traceback
 import torch
 
 from .. import _torch_internals as internals
+from .._torch_internals import aot as _torch_internals
 from ..compiling.piece_compiler import PieceCompiler
-from . import _torch_internals
+from ..plan.types import SymSpec, TensorSpec
 from .frames import read_frame, write_frame
 from .piece_code import ArtifactTable, save_code
 
 NICENESS = 10
+
+
+def _fake_of(spec, symbols: tuple, fake_mode):
+    """A fake value in this process's ``fake_mode`` for a described input, its symbols mapped."""
+    if isinstance(spec, TensorSpec):
+        like = {"dtype": spec.dtype, "device": spec.device, "requires_grad": spec.requires_grad}
+        return _torch_internals.fake_value(spec.shape, spec.strides, symbols, fake_mode, **like)
+    if isinstance(spec, SymSpec):
+        return _torch_internals.symint(spec.expr, symbols, fake_mode)
+    return spec
 
 
 def compile_job(job: dict) -> dict:
@@ -45,7 +56,7 @@ def compile_job(job: dict) -> dict:
     ):
         for name, (module, specs) in job["pieces"].items():
             gm = pickle.loads(module)
-            fakes = [_torch_internals.fake_of(spec, symbols, fake_mode) for spec in specs]
+            fakes = [_fake_of(spec, symbols, fake_mode) for spec in specs]
             _torch_internals.propagate_fake_values(gm, fakes, fake_mode)  # what cutting into layers reads
             piece, _ = compiler.compile(name, gm, fakes, keep_eager=False)
             code[name] = save_code(piece.fn, name, table)

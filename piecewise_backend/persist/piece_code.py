@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
+from .._torch_internals import aot as _torch_internals
 from ..compiling.layer_chain import CompiledSubPiece, SymbolFedChain, install
-from . import _torch_internals
 
 
 class NotSaveable(RuntimeError):

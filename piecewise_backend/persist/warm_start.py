@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from . import _torch_internals
+from .._torch_internals import aot as _torch_internals
 from .artifact_file import ArtifactFile
 
 

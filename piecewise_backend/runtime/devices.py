@@ -20,7 +20,7 @@ copy results out, sample, allocate):
   2.11 marks the state that the default generator holds when a capture begins as "capturing"
   until it ends, and any other thread's random op on it then raises "Offset increment outside
   graph capture encountered unexpectedly". There, such pieces are captured by the CUDA runtime's
-  own calls (``runtime/_torch_internals.py``), which touch no generator; elsewhere the
+  own calls (``_torch_internals/cuda_capture.py``), which touch no generator; elsewhere the
   generator's state is set aside for ``capture_begin`` (:class:`GeneratorAside`). Pieces that
   draw random numbers are captured by torch with the default generator registered, so their
   replays advance it, and pieces that read host tensors by torch with it set aside (torch's
@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from .. import _torch_internals
-from ._torch_internals import RawGraph, capture_marks_default_generator, cudart
+from .._torch_internals.cuda_capture import RawGraph, capture_marks_default_generator, cudart
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -224,7 +224,7 @@ class GeneratorAside:
 def _begin_route() -> str:
     """How a piece that draws no random numbers is captured: ``"raw"`` where ``capture_begin``
     marks the default generator (torch < 2.12) and libcudart loads: the CUDA runtime's own capture
-    (``runtime/_torch_internals.py``), which touches no generator; else ``"aside"``, a ``CUDAGraph`` begun
+    (``_torch_internals/cuda_capture.py``), which touches no generator; else ``"aside"``, a ``CUDAGraph`` begun
     with :class:`GeneratorAside` (on torch < 2.12 that leaves a window of microseconds per capture
     in which another thread's draw fails; 2.12+ marks no generator a capture does not use)."""
     return "raw" if capture_marks_default_generator() and not isinstance(cudart(), str) else "aside"

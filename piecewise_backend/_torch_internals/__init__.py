@@ -1,7 +1,7 @@
-"""Every private torch API this package touches, in one place.
-
-Checked against torch 2.11.0 (the GPU machine), 2.13.0 and 2.14.1. If a torch upgrade breaks the
-backend, this file is where to look first.
+"""Every private torch API the package touches, in this folder only (a structure test greps for it):
+this module (tracing, fake tensors, FX, Inductor's workers), ``cuda_capture`` (capture that touches no
+random-number generator) and ``aot`` (torch's AOT route). Checked against torch 2.11.0 (the GPU
+machine), 2.13.0 and 2.14.1: after a torch upgrade, read this folder first.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 import torch.fx
+
+from .dispatch_modes import OpsInFlight, RandomOpsSeen  # noqa: F401 (the package's way in)
 
 
 def detect_fake_mode(example_inputs: Sequence[Any]):
@@ -49,54 +51,9 @@ def fake_propagation(fake_mode):
     return stack
 
 
-class RandomOpsSeen:
-    """A dispatch mode that notes whether any ATen op it sees draws random numbers (``.seen``).
-
-    The ``nondeterministic_seeded`` tag is how torch marks such ops (``randn``, ``bernoulli``,
-    ``native_dropout``, ``multinomial``...); composite ops reach it decomposed. Used around a piece's
-    fake run, under Dynamo's fake mode. ``TorchDispatchMode`` is torch's own way to watch ops
-    (``torch.utils._python_dispatch``, same on 2.11 and 2.13).
-    """
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Mode(TorchDispatchMode):
-            seen = False
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-                    self.seen = True
-                return func(*args, **(kwargs or {}))
-
-        return _Mode()
-
-
-class OpsInFlight:
-    """A dispatch mode that notes the op whose call raised (``.raised``; None once a later op
-    succeeds, so an error some caller caught and survived is not blamed): a capture that fails names
-    the op whose host code broke it.
-
-    An op's handler runs with the mode off, so the ops a custom op calls inside are not seen: the op
-    named is the one the compiled code called. Same ``TorchDispatchMode`` as :class:`RandomOpsSeen`.
-    """
-
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class _Mode(TorchDispatchMode):
-            raised = None
-
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                try:
-                    out = func(*args, **(kwargs or {}))
-                except BaseException:
-                    self.raised = func
-                    raise
-                self.raised = None
-                return out
-
-        return _Mode()
+def mark_dynamic(tensor: torch.Tensor, dim: int) -> None:
+    """Dynamo's ``mark_dynamic`` (documented for users, but under ``torch._dynamo``): the demo's batch."""
+    torch._dynamo.mark_dynamic(tensor, dim)
 
 
 def warm_compile_workers() -> None:

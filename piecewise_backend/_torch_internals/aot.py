@@ -4,7 +4,7 @@ Checked against torch 2.11.0 (the GPU machine) and 2.13.0: ``torch._dynamo.aot_c
 (``SerializableCallable``, ``BundledAOTAutogradSerializableCallable``), the ``enable_aot_compile``
 switch that gives ``torch.compile(...)`` its ``aot_compile``, and ``AOTCompiledFunction``'s
 artifacts (its guards and the sources Dynamo traced). The rest of the package's private torch
-use is in ``piecewise_backend/_torch_internals.py``.
+use is in the rest of this folder.
 """
 
 from __future__ import annotations
@@ -199,31 +199,23 @@ def in_their_symbols(expr, symbols: tuple):
     return expr.xreplace({ours: theirs for theirs, ours in mine.items()})
 
 
-def _symint(expr, symbols: tuple, shape_env):
+def fake_value(shape: list, strides: list, symbols: tuple, fake_mode, **like) -> torch.Tensor:
+    """A fake tensor in ``fake_mode`` of a described shape, its symbols mapped (``like``: dtype, device...)."""
+    size = [symint(s, symbols, fake_mode) for s in shape]
+    stride = [symint(s, symbols, fake_mode) for s in strides]
+    with fake_mode:
+        return torch.empty_strided(size, stride, **like)
+
+
+def symint(expr, symbols: tuple, fake_mode):
+    """A described size (an int or an expression in the sender's symbols) in this process's ShapeEnv."""
     if isinstance(expr, int) or not getattr(expr, "free_symbols", None):
         return int(expr)
     mine, hints = symbols
     ours = expr.xreplace(mine)
     if any(s.name.startswith("u") for s in ours.free_symbols):  # unbacked: no hint
-        return shape_env.create_symintnode(ours, hint=None)
-    return shape_env.create_symintnode(ours, hint=int(expr.xreplace(hints)))
-
-
-def fake_of(spec: Any, symbols: tuple, fake_mode) -> Any:
-    """A fake value in ``fake_mode`` for a described one (``plan.types``), its symbols mapped."""
-    from ..plan.types import SymSpec, TensorSpec
-
-    shape_env = fake_mode.shape_env
-    if isinstance(spec, TensorSpec):
-        size = [_symint(s, symbols, shape_env) for s in spec.shape]
-        stride = [_symint(s, symbols, shape_env) for s in spec.strides]
-        with fake_mode:
-            return torch.empty_strided(
-                size, stride, dtype=spec.dtype, device=spec.device, requires_grad=spec.requires_grad
-            )
-    if isinstance(spec, SymSpec):
-        return _symint(spec.expr, symbols, shape_env)
-    return spec
+        return fake_mode.shape_env.create_symintnode(ours, hint=None)
+    return fake_mode.shape_env.create_symintnode(ours, hint=int(expr.xreplace(hints)))
 
 
 def propagate_fake_values(gm: torch.fx.GraphModule, fakes: list, fake_mode) -> None:

@@ -1,6 +1,6 @@
 """Captures that register no random-number generator: the CUDA runtime's own capture calls, torch's
 allocator routed to the graph pool. The torch internals of capture without a generator, here and
-nowhere else (the package's others: ``../_torch_internals.py``; checked on torch 2.11 and 2.13):
+nowhere else (the package's others: the rest of this folder; checked on torch 2.11 and 2.13):
 ``torch._C._cuda_beginAllocateCurrentThreadToPool``, ``_cuda_endAllocateToPool``,
 ``_cuda_releasePool``, ``_cuda_getCurrentRawStream``, and ``libcudart`` through ``ctypes``.
 
