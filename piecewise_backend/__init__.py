@@ -34,7 +34,7 @@ from .runtime.graph_mode import cudagraph_mode
 from .runtime.memory_estimate import GraphMemoryEstimate
 from .runtime.stats import CaptureEvent, GraphStats, PieceStats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "piecewise",
