@@ -1,40 +1,48 @@
-"""A serving engine's model under continuous batching: start-up, graph memory, tokens/s, inter-token latency.
+"""Suite ``serving``: the seed's own serving workload, timed as ``vllm bench serve`` times it, and a
+concurrency sweep, on the repository's serving engine (``toys/engine.py``).
 
-    python -m benchmarks.serving --out serving.json [--variants piecewise,piecewise-all] [--starts cold,warm]
-    python -m benchmarks.serving --out serving.json --figure serving_itl.png            # its figure
-    python -m benchmarks.serving --out /tmp/s.json --device cpu --config tiny --requests 6   # smoke test
+    python -m benchmarks serving [--variants full-and-piecewise,piecewise] [--requests 30] [--in-flight 1,8,32,64,128]
+    python -m benchmarks serving --smoke       # CPU: the tiny config, graphs emulated, four requests
 
-The engine is ``toys/engine.py`` (paged KV cache, attention a custom op over a forward context,
-chunked prefill under a token budget, greedy sampling outside the compiled model), on Qwen2.5-1.5B's
-dimensions with random weights in bf16, every step piecewise (``graph_mode="piecewise"``: what this
-benchmark has always timed; the engine's full decode graphs are ``seed_workload.py``'s). The trace is seeded: ``--requests`` requests, prompts of
-32-1024 tokens and outputs of 16-256, Poisson arrivals at ``--rate`` requests/s (0: all at once).
+The seed's headline (vLLM's "Support full cuda graph" table) is Qwen2.5-1.5B under ``vllm bench serve
+--random-input-len 1000 --random-output-len 100 --request-rate 1``: median TPOT 5.75 ms with piecewise
+graphs, 5.33 ms with one full graph. Here: ``toys/engine.py`` at Qwen2.5-1.5B's dimensions (random
+weights, bf16), prompts of exactly 1,000 random tokens, 100 new tokens each, Poisson arrivals at
+``--rate`` requests/s, ``--requests`` of them, token budget 2,048. Per request, as vLLM computes them:
+TTFT (first token - arrival), TPOT ((last token - first token) / (tokens - 1)), ITL (every gap
+between a request's tokens); median, mean and p99 of each, and output tokens/s.
 
-Variants (one child process each, with its own timeout, per start):
+Then, in the same process (the start-up paid once), the concurrency sweep: ``--in-flight`` levels
+(1, 8, 32, 64, 128), each one wave of that many requests submitted at once with ``max_num_seqs`` set
+to it, the seed's 1,000-token prompts and 100 new tokens, after a short untimed wave of the same
+level (4 new tokens: the warm-up ``vllm bench serve`` does too): output tokens/s, median TPOT, and
+the median decode-only step (``decode_step_median_ms``; ``decode_batch_median``: its rows) beside
+its byte floor (``floor_ms``: the weights once plus the keys and values of that step's rows at
+their lengths, over the copy bandwidth measured in the run; ``vs_floor``: the median of each step
+over its own floor). Where the rest of a decode step goes: ``forward_median_ms`` (the compiled
+forward, from the host's call to its last kernel: a graph replay in a full-graph step) and
+``sample_median_ms`` (logits and argmax), the remainder being the engine's host work.
 
-* ``eager``: the model as it is;
-* ``inductor``: ``torch.compile`` default;
-* ``reduce-overhead``: ``torch.compile(mode="reduce-overhead")`` (with the attention op tagged
-  ``cudagraph_unsafe``, its best chance); how it fails is recorded if it does;
-* ``piecewise``: ``backend="piecewise"``, the op named in ``extra_splitting_ops``, defaults: lazy;
-  (every variant's engine first warms up as vLLM's does: a step at the full token budget and a
-  one-token decode step, which compile before the first request)
-* ``piecewise-all``: the same with ``eager_capture_sizes="all"`` (vLLM's way: every size up front);
-* ``piecewise-cap8``: lazy with ``max_captured_sizes=8``: captured sizes follow the traffic.
+Rows (``workload``: ``seed``, ``concurrency`` per level, ``fp32-agreement``), written as they come.
+Variants, each in a child process with its own timeout:
 
-Per row: ``startup_s`` (child start, before ``import torch``, to the first output token; ``cold``:
-fresh Inductor/Triton caches, ``warm``: the caches of the cold run), ``capture_s`` (of it and after,
-the backend's capture seconds), ``graph_pool_mib``, ``captures`` (sizes captured), ``tokens_per_s``
-(output tokens over the run), ``itl_p50_ms``/``itl_p99_ms`` (gaps between a request's tokens),
-``itl_p99_first10s_ms`` (those in the run's first 10 s), ``worst_capture_stall_ms`` (the longest
-step that captured a size, less the median step), ``rides`` (calls that replayed a larger captured
-graph, padded, while their own size waited: ``defer_captures``), ``gc_pause_ms_max`` (the longest
-collector pause in the run; the engine freezes what start-up made), ``replaced`` (sizes replaced,
-capture following traffic) and ``token_agreement`` (the share of requests whose tokens equal eager's, in fp32 on a
-shorter trace, ``--agreement-requests``, checked by the cold run: bf16 rows are timed, fp32 tokens
-compared).
+* ``eager``; ``inductor`` (``torch.compile`` default); ``reduce-overhead`` (the attention op tagged
+  ``cudagraph_unsafe``, its best chance);
+* ``piecewise``: this backend, every step piecewise (the engine's host metadata path), as before full
+  graphs existed;
+* ``piecewise-paged``: piecewise too, but decode steps take the engine's graph-safe path (the paged
+  decode kernel, eager between the pieces): what the kernel gives without full graphs;
+* ``full-and-piecewise``: the engine's default: decode-only steps under ``cudagraph_mode("full")``
+  (one graph per batch size, captured lazily), other steps piecewise;
+* ``full-and-piecewise-all``: the same with every size captured up front (``eager_capture_sizes="all"``
+  and a dummy decode step per decode size: vLLM's way).
 
-The graph memory estimate on this engine: ``graph_memory.py``.
+The other variants run the engine's default metadata paths too (their attention op does the same
+work); only ``piecewise`` keeps the host path for decode steps. Each row records its start-up
+(process start to the engine warmed up), whether Inductor's cache was cold or warm for it (from
+Inductor's own counters: the variants share one cache folder, so a later variant may find what an
+earlier one compiled), the captures, and full and piecewise replays. ``--agreement-variants``: those
+variants also compare their fp32 tokens with the eager engine's on a short trace (a second compile).
 """
 
 from __future__ import annotations
@@ -43,93 +51,43 @@ import time
 
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
 
-import argparse
 import dataclasses
-import gc
-import json
 import pathlib
 import statistics
 import sys
-import tempfile
+from collections.abc import Iterator
 
 import torch
 
-from benchmarks.child_rows import child_row, report
+from benchmarks.harness import Suite
 from toys import engine as toy
 
-VARIANTS = ("eager", "inductor", "reduce-overhead", "piecewise", "piecewise-all", "piecewise-cap8")
+VARIANTS = (
+    "piecewise",
+    "full-and-piecewise",
+    "full-and-piecewise-all",
+    "piecewise-paged",
+    "eager",
+    "inductor",
+    "reduce-overhead",
+)
+SEED_VLLM = {
+    "piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
+    "full": {"tpot_median_ms": 5.33, "ttft_median_ms": 30.5, "itl_p99_ms": 6.18},
+}  # seed 001, their GPU, fp16
+PROMPT, OUTPUT = 1000, 100  # the seed's workload, and the sweep's requests too
 CONFIGS = {"tiny": toy.TINY, "qwen2.5-1.5b": toy.QWEN2_5_1_5B}
-TRACE = {"prompt": (32, 1024), "output": (16, 256)}
-AGREEMENT_TRACE = {"prompt": (32, 256), "output": (16, 64)}  # the fp32 check's shorter trace
-SMALL_TRACE = {"prompt": (4, 40), "output": (2, 12)}  # for the tiny config
-
-
-def compiled(model, variant: str):
-    """What the engine calls for ``variant``: the model, or a ``torch.compile`` of it."""
-    if variant == "eager":
-        return model
-    if variant == "inductor":
-        return torch.compile(model)
-    if variant == "reduce-overhead":
-        return torch.compile(model, mode="reduce-overhead")
-    options = {"extra_splitting_ops": [toy.ATTENTION]}
-    if variant == "piecewise-all":
-        options["eager_capture_sizes"] = "all"
-    if variant == "piecewise-cap8":
-        options["max_captured_sizes"] = 8
-    return torch.compile(model, backend="piecewise", options=options)
 
 
 def build(config: str, variant: str, device: str, dtype):
+    """The engine's model at ``config``'s dimensions, random weights (seeded)."""
     cfg = CONFIGS[config]
-    if variant == "reduce-overhead":
+    if variant == "reduce-overhead":  # its best chance: the attention op tagged cudagraph_unsafe
         cfg = dataclasses.replace(cfg, attention_op=toy.TAGGED_ATTENTION)
     torch.manual_seed(0)
     with torch.device(device):
         model = toy.EngineModel(cfg)
     return model.init_weights_().to(device, dtype).eval()
-
-
-def engine_for(model, forward, device: str, dtype, args) -> toy.Engine:
-    longest = TRACE["prompt"][1] + TRACE["output"][1] if args.config != "tiny" else 64
-    blocks = args.max_num_seqs * -(-longest // model.cfg.block_size) + 8
-    return toy.Engine(
-        model,
-        forward,
-        max_num_tokens=args.max_num_tokens,
-        max_num_seqs=args.max_num_seqs,
-        num_blocks=blocks,
-        device=device,
-        dtype=dtype,
-        graph_mode="piecewise",
-    )
-
-
-def trace(args, n: int, seed: int = 0, short: bool = False):
-    shape = SMALL_TRACE if args.config == "tiny" else AGREEMENT_TRACE if short else TRACE
-    return toy.seeded_trace(n, seed=seed, vocab=CONFIGS[args.config].vocab, rate=args.rate, **shape)
-
-
-class CaptureWatch:
-    """Wraps the engine's forward: which steps captured a size (the backend's capture events)."""
-
-    def __init__(self, forward):
-        import piecewise_backend
-
-        self.forward, self.graphs = forward, piecewise_backend.compiled_graphs
-        self.capturing_steps: list[int] = []
-        self.step = 0
-
-    def _events(self) -> int:
-        return sum(len(g.stats.events) for g in self.graphs())
-
-    def __call__(self, *args):
-        before = self._events()
-        out = self.forward(*args)
-        if self._events() != before:
-            self.capturing_steps.append(self.step)
-        self.step += 1
-        return out
 
 
 def percentile(values: list, q: float) -> float | None:
@@ -139,172 +97,304 @@ def percentile(values: list, q: float) -> float | None:
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def backend_totals() -> dict:
+def compiled(model, variant: str):
+    """What the engine calls for ``variant``."""
+    if variant == "eager":
+        return model
+    if variant == "inductor":
+        return torch.compile(model)
+    if variant == "reduce-overhead":
+        return torch.compile(model, mode="reduce-overhead")
+    options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
+    if variant == "full-and-piecewise-all":
+        options["eager_capture_sizes"] = "all"
+    forward = torch.compile(model, backend="piecewise", options=options)
+    if variant == "piecewise-paged":  # the engine's decode path, but never a full graph
+        import piecewise_backend
+
+        def piecewise_only(*args):
+            with piecewise_backend.cudagraph_mode("piecewise"):  # inside the engine's own mode: it wins
+                return forward(*args)
+
+        return piecewise_only
+    return forward
+
+
+def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.Engine:
+    tiny = args.config == "tiny"
+    longest = 64 if tiny else PROMPT + OUTPUT
+    seqs = max(args.in_flight)
+    per_request = -(-longest // model.cfg.block_size)
+    blocks = (
+        max(
+            seqs * -(-(PROMPT + OUTPUT) // model.cfg.block_size),
+            8 * per_request,
+            -(-args.max_num_tokens // model.cfg.block_size) + 1,
+        )
+        + 8
+    )  # (the warm-up's step at the budget)
+    mode = "piecewise" if variant in ("piecewise",) else "full_and_piecewise"
+    return toy.Engine(
+        model,
+        forward,
+        max_num_tokens=args.max_num_tokens,
+        max_num_seqs=seqs,
+        num_blocks=blocks,
+        device=device,
+        dtype=dtype,
+        graph_mode=mode,
+    )
+
+
+def requests(n: int, prompt: int, output: int, rate: float, vocab: int, seed: int = 0) -> list:
+    """``n`` requests of exactly ``prompt`` random tokens and ``output`` new ones, Poisson arrivals at
+    ``rate`` requests/s (0: all at once)."""
+    g = torch.Generator().manual_seed(seed)
+    out, arrival = [], 0.0
+    for i in range(n):
+        if rate > 0:
+            arrival += float(torch.empty(()).exponential_(rate, generator=g))
+        out.append(toy.Request(i, torch.randint(0, vocab, (prompt,), generator=g).tolist(), output, arrival))
+    return out
+
+
+def latencies(done: list, start: float) -> dict:
+    """vLLM's serving metrics over finished requests (times in ms; arrivals relative to ``start``)."""
+    ttft = [(r.token_times[0] - start - r.arrival) * 1e3 for r in done]
+    tpot = [
+        (r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in done if len(r.token_times) > 1
+    ]
+    itl = [(b - a) * 1e3 for r in done for a, b in zip(r.token_times, r.token_times[1:])]
+    out = {}
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        out.update(
+            {
+                f"{name}_median_ms": _ms(statistics.median(values)),
+                f"{name}_mean_ms": _ms(statistics.fmean(values)),
+                f"{name}_p99_ms": _ms(percentile(values, 0.99)),
+            }
+        )
+    duration = max(r.token_times[-1] for r in done) - start - min(r.arrival for r in done)
+    out["out_tok_s"] = round(sum(len(r.output) for r in done) / duration, 1)
+    return out
+
+
+def graph_counts() -> dict:
+    """Captures and replays of every compiled graph of this process (the backend's variants only)."""
+    if "piecewise_backend" not in sys.modules:
+        return {}
     import piecewise_backend
 
     graphs = piecewise_backend.compiled_graphs()
-    stats = piecewise_backend.process_stats()
     return {
-        "capture_s": round(stats["capture_seconds"], 2),
-        "graph_pool_mib": round(stats["pool_bytes"] / 2**20, 1),
-        "captures": stats["captured_sizes"],
-        "replays": stats["replays"],
-        "ungraphed_runs": stats["ungraphed_runs"],
-        "rides": stats["rides"],
-        "failed_captures": sum(g.stats.failed_captures for g in graphs),
-        "replaced": sum(len(g.stats.replaced_keys) for g in graphs),
+        "captures": sum(g.stats.captures + g.stats.full_captures for g in graphs),
+        "full_replays": sum(g.stats.full_replays for g in graphs),
+        "piecewise_replays": sum(g.stats.piecewise_replays for g in graphs),
+        "full_fallbacks": sum(sum(g.stats.full_fallbacks.values()) for g in graphs),
+        "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
     }
 
 
-class GcPauses:
-    """The collector's pauses during the timed run (Python's ``gc.callbacks``): a pause of tens
-    of ms in a process full of compile-time objects would show as inter-token latency."""
+def inductor_cache() -> str:
+    """cold / warm / mixed, from Inductor's FX graph cache counters (none: nothing was compiled)."""
+    from torch._dynamo.utils import counters
 
-    def __init__(self):
-        self.pauses: list[float] = []
-        self._began = 0.0
-
-    def __call__(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self.pauses.append((time.perf_counter() - self._began) * 1e3)
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
+    hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    return "none" if not hits + misses else "warm" if not misses else "cold" if not hits else "mixed"
 
 
-def serve(args, variant: str, device: str) -> dict:
-    """One variant's timed run (bf16 on CUDA); the row without ``token_agreement``."""
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+def serve(args, variant: str) -> Iterator[dict]:
+    """One variant: start-up, the seed workload, then the sweep: the seed row, then a row per level."""
+    device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build(args.config, variant, device, dtype)
-    watch = CaptureWatch(compiled(model, variant))
-    engine = engine_for(model, watch, device, dtype, args)
-    engine.warm_up(freeze_gc=True)  # compiles (and, for piecewise-all, captures every size): start-up
-    warm_up_steps = watch.step
-    with GcPauses() as gc_pauses:
-        done = engine.run(trace(args, args.requests), realtime=args.rate > 0)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    first_token = min(r.token_times[0] for r in done)
-    start, end = engine.steps[0].start, max(r.token_times[-1] for r in done)
-    gaps = [(b - start, (b - a) * 1e3) for r in done for a, b in zip(r.token_times, r.token_times[1:])]
-    steps = [s.seconds * 1e3 for s in engine.steps]
-    median = statistics.median(steps)
-    stalls = [steps[i - warm_up_steps] - median for i in watch.capturing_steps if i >= warm_up_steps]
-    return {
-        "variant": variant,
-        "startup_s": round(first_token - _STARTED, 2),
-        "tokens_per_s": round(sum(len(r.output) for r in done) / (end - start), 1),
-        "itl_p50_ms": _ms(percentile([g for _, g in gaps], 0.5)),
-        "itl_p99_ms": _ms(percentile([g for _, g in gaps], 0.99)),
-        "itl_p99_first10s_ms": _ms(percentile([g for t, g in gaps if t <= 10.0], 0.99)),
-        "worst_capture_stall_ms": _ms(max(stalls, default=0.0)),
-        "steps": len(steps),
-        "gc_pause_ms_max": _ms(max(gc_pauses.pauses, default=0.0)),
-        "gc_pauses": len(gc_pauses.pauses),
-        "step_ms_median": _ms(median),
-        "output_tokens": sum(len(r.output) for r in done),
-        **backend_totals(),
-        "itl_over_time": [(round(t, 3), round(g, 2)) for t, g in gaps[:: max(1, len(gaps) // 2000)]],
+    engine = engine_for(model, compiled(model, variant), variant, device, dtype, args)
+    sizes = [s for s in (1, 2, 4, *range(8, 513, 8)) if s <= max(args.in_flight)]
+    engine.warm_up(freeze_gc=True, decode_sizes=sizes if variant == "full-and-piecewise-all" else ())
+    _sync(device)
+    startup = time.perf_counter() - _STARTED
+    cache = inductor_cache()
+    vocab, prompt = model.cfg.vocab, PROMPT if args.config != "tiny" else 24
+    engine.max_num_seqs = max(args.in_flight)
+    done = engine.run(
+        requests(args.requests, prompt, OUTPUT if args.config != "tiny" else 8, args.rate, vocab),
+        realtime=args.rate > 0,
+    )
+    _sync(device)
+    yield {
+        "workload": "seed",
+        **latencies(done, engine._start),
+        "startup_s": round(startup, 2),
+        "inductor_cache": cache,
+        **graph_counts(),
+        "requests": len(done),
     }
+    yield from sweep_levels(args, engine, vocab)
 
 
-def agreement(args, variant: str, device: str) -> float:
-    """The share of requests whose tokens equal the eager engine's, fp32, on a short trace."""
-    model = build(args.config, variant, device, torch.float32)
-    requests = args.agreement_requests
+def sweep_levels(args, engine: toy.Engine, vocab: int) -> Iterator[dict]:
+    """The concurrency sweep: per level, a short wave first (what a level needs that start-up did not
+    make, a graph of its batch size say, is made there, as ``vllm bench serve``'s warm-up requests do),
+    then the timed wave."""
+    tiny = args.config == "tiny"
+    floor = StepFloor(engine.model, args.device)
+    for level in args.in_flight:
+        engine.max_num_seqs = level
+        prompt, output = (8, 8) if tiny else (PROMPT, OUTPUT)
+        engine.run(requests(level, prompt, 4, 0.0, vocab, seed=1000 + level))
+        batch = requests(level, prompt, output, 0.0, vocab, seed=level)
+        engine.steps.clear()
+        engine.time_phases = args.device == "cuda"  # a few µs a step: the timed wave only
+        began = time.perf_counter()
+        finished = engine.run(batch)
+        _sync(args.device)
+        engine.time_phases = False
+        seconds = time.perf_counter() - began
+        tpot = [(r.token_times[-1] - r.token_times[0]) * 1e3 / (len(r.token_times) - 1) for r in finished]
+        yield {
+            "workload": "concurrency",
+            "in_flight": level,
+            "out_tok_s": round(level * len(batch[0].output) / seconds, 1),
+            "tpot_median_ms": _ms(statistics.median(tpot)),
+            **floor.decode_steps(engine.steps),
+        }
+
+
+class StepFloor:
+    """A decode step's byte floor: the weights read once and every row's keys and values at its
+    length, over the copy bandwidth measured here (on a GPU; None elsewhere)."""
+
+    def __init__(self, model: toy.EngineModel, device: str):
+        cfg = model.cfg
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        element = model.embed.weight.element_size()
+        self.key_bytes = cfg.layers * 2 * cfg.kv_heads * cfg.head_dim * element  # a key and a value, every layer
+        self.bandwidth = None
+        if device == "cuda":
+            from benchmarks.timing import copy_bandwidth
+
+            self.bandwidth = copy_bandwidth()
+
+    def ms(self, keys: int) -> float | None:
+        return None if self.bandwidth is None else (self.weight_bytes + keys * self.key_bytes) / self.bandwidth * 1e3
+
+    def decode_steps(self, steps: list) -> dict:
+        """The decode-only steps' medians (step, rows, floor, step over floor, forward, sampling)."""
+        decode = [s for s in steps if s.num_prefill_tokens == 0 and s.num_decode > 0]
+        if not decode:
+            return {}
+        out = {
+            "decode_steps": len(decode),
+            "decode_step_median_ms": _ms(statistics.median(s.seconds * 1e3 for s in decode)),
+            "decode_batch_median": statistics.median(s.num_decode for s in decode),
+            "copy_gbs": None if self.bandwidth is None else round(self.bandwidth / 1e9),
+        }
+        if self.bandwidth is not None:
+            out["floor_ms"] = _ms(statistics.median(self.ms(s.keys) for s in decode))
+            out["vs_floor"] = _ms(statistics.median(s.seconds * 1e3 / self.ms(s.keys) for s in decode))
+        phases = [s.phase_ms() for s in decode if s.events]
+        if phases:
+            out["forward_median_ms"] = _ms(statistics.median(f for f, _ in phases))
+            out["sample_median_ms"] = _ms(statistics.median(p for _, p in phases))
+        return out
+
+
+def agreement(args, variant: str) -> float:
+    """The share of requests whose fp32 tokens equal the eager engine's, on a short seeded trace."""
+    model = build(args.config, variant, args.device, torch.float32)
+    trace = dict(prompt=(32, 256), output=(8, 24)) if args.config != "tiny" else {}
 
     def tokens(forward):
-        engine = engine_for(model, forward, device, torch.float32, args)
-        return [r.output for r in engine.run(trace(args, requests, seed=1, short=True))]
+        engine = engine_for(model, forward, variant, args.device, torch.float32, args)
+        return [r.output for r in engine.run(toy.seeded_trace(6, seed=1, vocab=model.cfg.vocab, **trace))]
 
     expected = tokens(model)
     got = tokens(compiled(model, variant))
     return round(sum(a == b for a, b in zip(got, expected)) / len(expected), 3)
 
 
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _ms(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
-def child(args) -> None:
-    """One (variant, start) in this process: print its row as JSON."""
-    device = args.device
+def rows(variant: str, args) -> Iterator[dict]:
+    """In the child: the variant's rows as they come; a failure is a row saying how."""
     try:
-        row = serve(args, args.variant, device)
-        torch._dynamo.reset()
-        if args.start != "warm":  # the cold run checks it; the warm one times the same code
-            row["token_agreement"] = 1.0 if args.variant == "eager" else agreement(args, args.variant, device)
-    except Exception as exc:  # a variant that fails is a result: say how
-        row = {"variant": args.variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    report({**row, "start": args.start, "config": args.config})
+        yield from serve(args, variant)
+        if variant in args.agreement_variants.split(","):
+            torch._dynamo.reset()
+            yield {"workload": "fp32-agreement", "token_agreement": agreement(args, variant)}
+    except Exception as exc:
+        yield {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
 
 
 def figure(rows: list[dict], png: pathlib.Path) -> None:
-    """Inter-token latency over the run, lazy capture beside up-front capture (the cold runs)."""
+    """Median TPOT per variant on the seed workload (harness rows), the seed's vLLM numbers beside them."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    for row in rows:
-        if (
-            row.get("start") == "cold"
-            and row.get("variant") in ("piecewise", "piecewise-all")
-            and "itl_over_time" in row
-        ):
-            t, ms = zip(*row["itl_over_time"]) if row["itl_over_time"] else ((), ())
-            ax.scatter(t, ms, s=3, alpha=0.5, label=f"{row['variant']} (p99 {row['itl_p99_ms']} ms)")
-    ax.set_yscale("log")
-    ax.set_xlabel("seconds into the run")
-    ax.set_ylabel("inter-token latency (ms)")
-    ax.set_title("Serving engine (Qwen2.5-1.5B dims, bf16): lazy vs up-front capture")
-    ax.legend(loc="upper right", markerscale=4)
+    rows = [r for r in rows if r["figures"].get("workload") == "seed" and "tpot_median_ms" in r["figures"]]
+    names = [r["variant"] for r in rows] + ["vLLM piecewise (seed)", "vLLM full (seed)"]
+    values = [r["figures"]["tpot_median_ms"] for r in rows] + [
+        SEED_VLLM["piecewise"]["tpot_median_ms"],
+        SEED_VLLM["full"]["tpot_median_ms"],
+    ]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) + 1))
+    colors = ["tab:green" if n.startswith("full-and") else "tab:gray" if "seed" in n else "tab:blue" for n in names]
+    ax.barh(names, values, color=colors)
+    for y, v in enumerate(values):
+        ax.text(v, y, f" {v:.2f}", va="center")
+    ax.invert_yaxis()
+    ax.set_xlabel("median TPOT (ms), lower is better")
+    ax.set_title(
+        "Seed workload: Qwen2.5-1.5B dims, bf16, 1,000-token prompts,\n100 new tokens, 1 request/s "
+        "(vLLM's numbers: the seed's, their GPU, fp16)",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--config", default="qwen2.5-1.5b", choices=sorted(CONFIGS))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
-    parser.add_argument("--starts", default="cold,warm")
-    parser.add_argument("--requests", type=int, default=200)
-    parser.add_argument("--agreement-requests", type=int, default=12)
-    parser.add_argument("--rate", type=float, default=0.0)
-    parser.add_argument("--max-num-tokens", type=int, default=512)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--child-timeout", type=int, default=300)
-    parser.add_argument("--figure", help="write the ITL-over-time figure of --out's rows to this PNG and stop")
-    parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
-    parser.add_argument("--start", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.variant:
-        return child(args)
-    out = pathlib.Path(args.out)
-    rows = json.loads(out.read_text()).get("serving", []) if out.exists() else []
-    if args.figure:
-        return figure(rows, pathlib.Path(args.figure))
-    passed = [a for a in sys.argv[1:]]
-    for variant in args.variants.split(","):
-        with tempfile.TemporaryDirectory() as caches:
-            for start in args.starts.split(","):
-                cmd = [sys.executable, "-m", __spec__.name, *passed, "--variant", variant, "--start", start]
-                row = child_row(cmd, args.child_timeout, caches)
-                if "error" in row:
-                    row = {"variant": variant, "start": start, **row}
-                rows = [r for r in rows if (r.get("variant"), r.get("start")) != (variant, start)] + [row]
-                print(json.dumps({k: v for k, v in row.items() if k != "itl_over_time"}), flush=True)
-                out.write_text(json.dumps({"serving": rows}, indent=1) + "\n")  # partial results survive a cut
+    parser.add_argument("--requests", type=int, default=30)
+    parser.add_argument("--rate", type=float, default=1.0, help="requests/s (0: all at once)")
+    parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64, 128])
+    parser.add_argument("--max-num-tokens", type=int, default=2048)
+    parser.add_argument("--agreement-variants", default="full-and-piecewise")
 
 
-if __name__ == "__main__":
-    main()
+SUITE = Suite(
+    name="serving",
+    about="the serving engine: the seed's workload (TTFT, TPOT, ITL) and a concurrency sweep beside its byte floor",
+    variants=VARIANTS,
+    default=("full-and-piecewise", "piecewise"),
+    run=rows,
+    options=options,
+    smoke=(
+        "--device",
+        "cpu",
+        "--config",
+        "tiny",
+        "--requests",
+        "4",
+        "--rate",
+        "0",
+        "--in-flight",
+        "1,3",
+        "--max-num-tokens",
+        "32",
+        "--variants",
+        "full-and-piecewise",
+        "--agreement-variants",
+        "",
+    ),  # fmt: skip
+    timeout=420,
+)

@@ -1,7 +1,8 @@
-"""Start-up routes on the serving engine: eager, Inductor cold, no Inductor, a warm process, serve-first.
+"""Suite ``startup``: start-up routes on the serving engine: eager, Inductor cold, no Inductor, a warm
+process from a saved artifact, serve-first.
 
-    python -m benchmarks.start_up --out start_up.json [--variants eager,no-inductor,...]
-    python -m benchmarks.start_up --out /tmp/s.json --device cpu --config tiny   # smoke test
+    python -m benchmarks startup [--variants eager,inductor,save,warm] [--requests 3]
+    python -m benchmarks startup --smoke        # CPU: the tiny config
 
 ``toys/engine.py`` at Qwen2.5-1.5B's dimensions (random weights, bf16), each variant in a fresh child
 process, each with an empty Inductor/Triton cache folder of its own unless said otherwise. The engine
@@ -18,7 +19,7 @@ Per row:
 
 Variants:
 
-* ``eager``; ``breakable-cuda-graphs`` (Meta's capture without a compiler, ``peers.py``);
+* ``eager``;
 * ``dynamo-only``: ``torch.compile(backend="eager")``: Dynamo's trace and nothing else (no split, no
   graphs): the floor under every route through ``torch.compile``, this backend's included;
 * ``inductor``: this backend, its pieces compiled by Inductor (``compiler="inductor"``), cold;
@@ -48,25 +49,21 @@ import time
 _STARTED = time.perf_counter()  # before torch is imported: start-up counts the import
 _STARTED_WALL = time.time()  # the same moment on the clock the compile workers share
 
-import argparse
 import contextlib
-import json
 import os
-import pathlib
 import statistics
 import sys
-import tempfile
+from collections.abc import Iterator
 
 import torch
 
 from benchmarks import triton_compiles
-from benchmarks.child_rows import child_row, report
+from benchmarks.harness import Suite
 from benchmarks.serving import CONFIGS, build
 from toys import engine as toy
 
 VARIANTS = (
     "eager",
-    "breakable-cuda-graphs",
     "dynamo-only",
     "inductor",
     "no-inductor",
@@ -114,10 +111,6 @@ def _forward(model, variant: str, args, engine_examples):
 
     if variant == "eager":
         return model, 0.0
-    if variant == "breakable-cuda-graphs":
-        from benchmarks.peers import BreakableForward
-
-        return BreakableForward(model), 0.0
     if variant == "dynamo-only":
         return torch.compile(model, backend="eager"), 0.0
     if variant in ("save", "warm"):
@@ -239,8 +232,9 @@ def _profiled(args, key: str, into: dict | None = None):
         into[key] = [line.strip() for line in text.getvalue().splitlines() if line.strip()[:1].isdigit()]
 
 
-def child(args) -> None:
-    variant = args.variant
+def rows(variant: str, args) -> Iterator[dict]:
+    """In the child (a fresh process, its caches as ``CACHES`` says): the variant's one row."""
+    args.artifact = os.path.join(args.work, "engine.piecewise")  # save writes it, warm reads it
     try:
         device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
         if variant == "warm":
@@ -261,9 +255,7 @@ def child(args) -> None:
         if device == "cuda":
             torch.cuda.synchronize()
         row = {
-            "variant": variant,
-            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "caches": args.caches,
+            "caches": CACHES[variant],
             "startup_s": round(time.perf_counter() - _STARTED, 2),
             **_times(),
             "load_s": round(load_s, 2),
@@ -289,13 +281,12 @@ def child(args) -> None:
         row["triton_compiles"], row["triton_compiled"] = sum(compiles.values()), compiles
         row["inductor_cache"] = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
     except Exception as exc:  # a variant that fails is a result: say how
-        row = {"variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-    report(row)
+        row = {"error": f"{type(exc).__name__}: {str(exc)[:400]}"}
+    yield row
 
 
 CACHES = {
     "eager": "none",
-    "breakable-cuda-graphs": "none",
     "dynamo-only": "none (nothing compiled)",
     "inductor": "cold (empty Inductor/Triton caches)",
     "no-inductor": "cold (empty caches)",
@@ -306,52 +297,36 @@ CACHES = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--config", default="qwen2.5-1.5b", choices=sorted(CONFIGS))
-    parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--after", type=int, default=3, help="serve-first: requests after the switch")
     parser.add_argument("--switch-timeout", type=int, default=240)
     parser.add_argument("--max-num-tokens", type=int, default=2048)
-    parser.add_argument("--child-timeout", type=int, default=300)
-    parser.add_argument(
-        "--profile", type=int, default=0, help="the top N functions of load and warm-up, by cumulative time"
-    )
-    parser.add_argument("--variant", help=argparse.SUPPRESS)  # set in the child processes
-    parser.add_argument("--caches", help=argparse.SUPPRESS)
-    parser.add_argument("--artifact", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.variant:
-        return child(args)
-    out = pathlib.Path(args.out)
-    result = json.loads(out.read_text()) if out.exists() else {}
-    work = pathlib.Path(tempfile.mkdtemp(prefix="start_up-"))
-    artifact = str(work / "engine.piecewise")
-    for variant in args.variants.split(","):
-        caches = str(work / f"caches-{variant}")
-        os.makedirs(caches, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            __spec__.name,
-            *sys.argv[1:],
-            "--variant",
-            variant,
-            "--caches",
-            CACHES[variant],
-            "--artifact",
-            artifact,
-        ]
-        compile_log = str(work / f"triton-compiles-{variant}.log")
-        row = child_row(cmd, args.child_timeout, caches=caches, env=triton_compiles.counted_env(compile_log))
-        row = {"variant": variant, "caches": CACHES[variant], **row}
-        result["startup"] = [r for r in result.get("startup", []) if r["variant"] != variant] + [row]
-        print(json.dumps(row), flush=True)
-        out.write_text(json.dumps(result, indent=1) + "\n")  # partial results survive a cut
+    parser.add_argument("--profile", type=int, default=0, help="the top N functions of load and warm-up")
 
 
-if __name__ == "__main__":
-    main()
+SUITE = Suite(
+    name="startup",
+    about="the serving engine's start-up per route (eager, Inductor cold, a warm artifact in a fresh container, ...)",
+    variants=VARIANTS,
+    default=("eager", "inductor", "save", "warm"),
+    run=rows,
+    options=options,
+    smoke=(
+        "--device",
+        "cpu",
+        "--config",
+        "tiny",
+        "--requests",
+        "1",
+        "--max-num-tokens",
+        "32",
+        "--variants",
+        "eager,no-inductor",
+    ),  # fmt: skip
+    fresh_caches=True,
+    env=lambda variant, args: triton_compiles.counted_env(os.path.join(args.work, f"triton-compiles-{variant}.log")),
+    timeout=300,
+)

@@ -1,29 +1,33 @@
-"""The benchmark suite's plumbing on CPU: failures are rows, ratios and merges are right."""
+"""The benchmarks on CPU: every suite's smoke run gives rows of the harness's schema, failures are rows,
+ratios are right, results are recorded per GPU and the README's numbers are what the results say."""
 
 import argparse
+import json
 import pathlib
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from benchmarks import (
-    host_speed,
-    plot,
-    record,
-    suite,
-    suite_models,
-    suite_variants,
-    timing,
-)
+from benchmarks import decode, decode_variants, harness, report, timing
+from benchmarks.__main__ import SUITES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _decode_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The decode suite's child arguments from a test's short form (``models``, ``variants``)."""
+    return argparse.Namespace(
+        child=args.models[0], backends=args.variants, batches=args.batches, steps=getattr(args, "steps", 3),
+        prompt=getattr(args, "prompt", 4), rounds=getattr(args, "rounds", 1),
+    )  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
 def test_suite_rows_include_failures_as_rows():
     args = argparse.Namespace(models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=4, prompt=4)
-    rows = suite.decode_rows(args, "cpu", [])
+    rows = decode.decode_rows(_decode_args(args), "cpu")
     by_variant = {r["variant"]: r for r in rows}
     assert set(by_variant) == {"eager", "piecewise", "limit"}
     assert by_variant["eager"]["step_ms"] > 0 and by_variant["piecewise"]["step_ms"] > 0
@@ -60,7 +64,7 @@ def test_rows_say_their_sdpa_setting_and_a_pinned_twin_compiles_its_own_graphs()
         rounds=2,
         variants=["piecewise", "piecewise+pinned-sdpa", "inductor", "inductor+pinned-sdpa"],
     )
-    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    rows = {r["variant"]: r for r in decode.decode_rows(_decode_args(args), "cpu")}
     assert {v: r["sdpa"] for v, r in rows.items()} == {
         "piecewise": "torch default",
         "piecewise+pinned-sdpa": "pinned flash/efficient",
@@ -79,12 +83,12 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
 
     # "full speed" is relative to the process's fastest probe: one an earlier test took on a quieter
     # moment of a shared machine could leave none of these rounds within it
-    monkeypatch.setattr(host_speed, "FASTEST_PROBE", [float("inf")])
+    monkeypatch.setattr(timing, "FASTEST_PROBE", [float("inf")])
 
     args = argparse.Namespace(
         models=["tiny"], batches=[2], variants=["eager", "piecewise", "limit"], steps=3, prompt=4, rounds=3
     )
-    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    rows = {r["variant"]: r for r in decode.decode_rows(_decode_args(args), "cpu")}
     for variant in ("eager", "piecewise"):
         assert len(rows[variant]["step_ms_rounds"]) == 3, rows[variant]
         assert rows[variant]["step_ms"] == round(statistics.median(rows[variant]["step_ms_rounds"]), 4)
@@ -98,7 +102,7 @@ def test_interleaved_rounds_time_every_variant_each_round(monkeypatch):
         # CI host once left none), the rule is
         fastest = rows[variant]["host_probe_fastest_us"]
         assert rows[variant]["fast_host_rounds"] == sum(
-            p <= host_speed.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]
+            p <= timing.FAST_HOST * fastest for p in rows[variant]["host_probe_us_rounds"]
         ), rows[variant]
     assert rows["piecewise"]["piecewise"]["compute_pieces"] == 3 and "piecewise" not in rows["eager"]
     assert rows["limit"]["step_ms"] is None and "needs a GPU" in rows["limit"]["error"]
@@ -108,9 +112,9 @@ def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
     """Same prefill, same positions, the same greedy tokens fed back: only the waiting differs."""
     from benchmarks.timing import time_decode
 
-    model = suite_models.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
+    model = decode_variants.toy_model("tiny", "cpu", max_batch=2, max_seq=16)
     runs = []
-    for decode in (
+    for decoding in (
         lambda step: time_decode(step, model, 2, 4, 5, "cpu")[0],
         lambda step: timing.pipelined_decode_ms(step, model, 2, 4, 5, "cpu"),
     ):
@@ -122,7 +126,7 @@ def test_pipelined_decode_makes_the_same_calls_as_the_waiting_one():
 
         torch.manual_seed(0)
         with torch.inference_mode():
-            assert decode(step) > 0
+            assert decoding(step) > 0
         runs.append(calls)
     waiting, pipelined = runs
     assert [pos for _, pos in pipelined] == [0, 4, 5, 6, 7, 8] == [pos for _, pos in waiting]
@@ -137,7 +141,7 @@ def test_a_failed_pipelined_run_keeps_the_rows_waiting_times():
         return 1.0, 0.5
 
     row = {"step_ms": 1.0}
-    assert suite._pipelined_ms(row, measure) is None
+    assert decode._pipelined_ms(row, measure) is None
     assert row["step_ms"] == 1.0 and "RuntimeError: boom" in row["pipelined_error"]
 
 
@@ -152,7 +156,7 @@ def test_skip_guards_variant_decodes_its_base_variants_graphs():
         rounds=2,
         variants=["piecewise-full", "piecewise-full-skip-guards"],
     )
-    rows = {r["variant"]: r for r in suite.decode_rows(args, "cpu", [])}
+    rows = {r["variant"]: r for r in decode.decode_rows(_decode_args(args), "cpu")}
     full, skipping = rows["piecewise-full"], rows["piecewise-full-skip-guards"]
     assert full["step_ms"] > 0 and skipping["step_ms"] > 0, rows
     assert "piecewise" in full and "piecewise" not in skipping, "the skip-guards variant compiled graphs of its own"
@@ -168,9 +172,11 @@ def test_dynamo_floor_runs_nothing_but_the_replay_behind_dynamo():
         calls.append(1)
         return out
 
-    model = suite_models.toy_model("tiny", "cpu", suite_models.IDIOMS["tiny-whole-cache"][1], max_batch=2, max_seq=32)
+    model = decode_variants.toy_model(
+        "tiny", "cpu", decode_variants.IDIOMS["tiny-whole-cache"][1], max_batch=2, max_seq=32
+    )
     model.set_batch(2)
-    step = torch.compile(model, backend=suite_variants.floor_backend(replay))
+    step = torch.compile(model, backend=decode_variants.floor_backend(replay))
     with torch.inference_mode():
         results = [step(torch.zeros(2, 1, dtype=torch.long), pos) for pos in (3, 4, 5)]
     assert len(calls) == 3 and all(r is out for r in results)
@@ -180,17 +186,8 @@ def test_dynamo_floor_runs_nothing_but_the_replay_behind_dynamo():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path (the limit needs a GPU)")
 def test_dynamo_floor_row_on_cpu_is_an_error_row():
     args = argparse.Namespace(models=["tiny-whole-cache"], batches=[2], variants=["dynamo-floor"], steps=3, prompt=4)
-    (row,) = suite.decode_rows(args, "cpu", [])
+    (row,) = list(decode.decode_rows(_decode_args(args), "cpu"))
     assert row["step_ms"] is None and "needs a GPU" in row["error"], row
-
-
-def test_weights_check_costs_time_the_python_check_and_the_cpp_one_where_torch_has_it():
-    from benchmarks import host_breakdown
-    from piecewise_backend._torch_internals import data_ptrs_check
-
-    costs = host_breakdown.weights_check_costs("cpu", torch.float32, count=5)
-    assert costs["weights check, Python tuple (5)"] > 0
-    assert ("weights check, torch C++ (5)" in costs) == (data_ptrs_check() is not None)
 
 
 @pytest.mark.cuda
@@ -201,9 +198,9 @@ def test_limit_replays_its_own_inputs_after_their_memory_is_reused():
     on the H200 the replays read ids out of the vocabulary (a device-side assert at batch 8)."""
     from toys.models import reset_caches
 
-    model = suite_models.toy_model("tiny", "cuda")
+    model = decode_variants.toy_model("tiny", "cuda")
     with torch.inference_mode():
-        replay, _ = suite_variants.limit_graph(model, batch=2, prompt=8, device="cuda")
+        replay, _ = decode_variants.limit_graph(model, batch=2, prompt=8, device="cuda")
         junk = [torch.full((2, 1), 3, device="cuda") for _ in range(1024)]  # lands in any freed block of that size
         logits = replay().clone()
         ids, pos = replay.inputs
@@ -252,15 +249,15 @@ def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
             "host_probe_us_rounds": [1.0],
         },
     ]  # an error row's probes do not count
-    host_speed.fast_host_times(rows)
-    host_speed.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
+    timing.fast_host_times(rows)
+    timing.fast_host_times(rows, fastest=8.0)  # the process's fastest probe counts when faster
     assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == [
         (1, 0.70),
         (0, None),
         (0, None),
         (None, None),
     ]
-    host_speed.fast_host_times(rows)
+    timing.fast_host_times(rows)
     assert [(r.get("fast_host_rounds"), r.get("step_ms_fast_host")) for r in rows] == [
         (2, 0.705),
         (2, 0.85),
@@ -268,11 +265,11 @@ def test_fast_host_rounds_are_those_whose_probes_ran_at_the_batchs_fastest():
         (None, None),
     ]
     assert rows[0]["host_probe_fastest_us"] == 10.0
-    ratios = {r["variant"]: r for r in plot.ratios_to_limit(rows)}
+    decode._mark_process(rows, argparse.Namespace(child="m", batches=[1], backends=["limit", "piecewise"]))
+    ratios = {r["variant"]: r for r in rows}
     assert ratios["piecewise"]["vs_limit"] == round(1.0 / 0.71, 3)
     assert ratios["piecewise"]["vs_limit_fast_host"] == round(0.85 / 0.705, 3)
-    assert "vs_limit_fast_host" not in ratios["eager"]
-    assert "| piecewise | 1.21× |" in plot.ratio_table(rows, "step_ms_fast_host")
+    assert "vs_limit_fast_host" not in ratios["eager"] and "vs_limit" not in ratios["inductor"]
 
 
 def test_host_probe_times_python_in_microseconds():
@@ -284,361 +281,24 @@ def test_host_probe_times_python_in_microseconds():
 def test_a_settled_probe_waits_for_the_host_at_full_speed(monkeypatch):
     """Probes slower than ``FAST_HOST`` times the fastest so far are taken again, up to the wait."""
     probes = iter([10.0, 30.0, 29.0, 11.0, 40.0])
-    monkeypatch.setattr(host_speed, "host_probe_us", lambda: next(probes))
-    monkeypatch.setattr(host_speed, "FASTEST_PROBE", [float("inf")])
-    monkeypatch.setattr(host_speed.time, "sleep", lambda s: None)
-    assert host_speed.settled_probe(0) == 10.0
-    assert host_speed.settled_probe(60) == 11.0  # 30 and 29 waited out
-    assert host_speed.settled_probe(0) == 40.0  # no wait allowed: the slow probe is what it is
+    monkeypatch.setattr(timing, "host_probe_us", lambda: next(probes))
+    monkeypatch.setattr(timing, "FASTEST_PROBE", [float("inf")])
+    monkeypatch.setattr(timing.time, "sleep", lambda s: None)
+    assert timing.settled_probe(0) == 10.0
+    assert timing.settled_probe(60) == 11.0  # 30 and 29 waited out
+    assert timing.settled_probe(0) == 40.0  # no wait allowed: the slow probe is what it is
 
 
-def test_ratios_to_limit_and_table():
-    rows = [
-        {"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5},
-        {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
-        {"model": "m", "variant": "inductor", "batch": 1, "step_ms": None, "error": "boom"},
-    ]
-    assert plot.ratios_to_limit(rows) == [
-        {"model": "m", "variant": "limit", "batch": 1, "vs_limit": 1.0},
-        {"model": "m", "variant": "piecewise", "batch": 1, "vs_limit": 1.2},
-    ]
-    table = plot.ratio_table(rows)
-    assert "| piecewise | 1.20× |" in table and "| inductor | error |" in table
-    assert "| eager |" not in table  # a variant with no row gets no line
-    rows.append({"model": "m", "variant": "piecewise+pinned-sdpa", "batch": 1, "step_ms": 0.55})
-    lines = plot.ratio_table(rows).splitlines()
-    assert lines[2:5] == ["| inductor | error |", "| piecewise | 1.20× |", "| piecewise+pinned-sdpa | 1.10× |"]
-
-
-def test_ratio_uses_the_limit_of_the_rows_own_process():
-    rows = [
-        {"model": "m", "variant": "limit", "batch": 1, "step_ms": 0.5, "limit_same_process_ms": 0.5},
-        {"model": "m", "variant": "eager", "batch": 1, "step_ms": 6.0, "limit_same_process_ms": 0.6},
-        {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": 0.6},
-    ]
-    assert [r["vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 10.0, 1.2]
-    assert "| eager | 10.00× |" in plot.ratio_table(rows)
-    for row, pipelined in zip(rows, (0.4, 4.0, 0.5)):
-        row["pipelined_ms"] = pipelined
-    rows[1]["limit_same_process_pipelined_ms"] = 0.5
-    assert [r["pipelined_vs_limit"] for r in plot.ratios_to_limit(rows)] == [1.0, 8.0, 1.25]
-    assert "| eager | 8.00× |" in plot.ratio_table(rows, "pipelined_ms")
-
-
-def test_figure_is_written(tmp_path):
-    pytest.importorskip("matplotlib")
-    rows = [
-        {"model": "m", "variant": v, "batch": b, "step_ms": ms}
-        for v, ms in (("eager", 8.0), ("piecewise", 1.0), ("limit", 0.7))
-        for b in (1, 8, 32)
-    ]
-    png = tmp_path / "fig.png"
-    plot.plot(rows, png)
-    assert png.stat().st_size > 1000
-    for row in rows:
-        row["pipelined_ms"] = row["step_ms"] * 0.9
-    plot.plot(rows, png)  # the pipelined view adds a row of panels: a taller figure
-    from matplotlib.image import imread
-
-    assert imread(png).shape[0] > 1.5 * 4.5 * 120
-
-
-def test_merge_keeps_same_hash_rows_and_drops_stale_ones():
-    old = [
-        {"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.0, "code_hash": "h1"},
-        {"model": "b", "variant": "eager", "batch": 1, "step_ms": 2.0, "code_hash": "h1"},
-        {"model": "c", "variant": "eager", "batch": 1, "step_ms": 3.0, "code_hash": "old"},
-    ]
-    new = [{"model": "a", "variant": "eager", "batch": 1, "step_ms": 1.5}]
-    merged = record.merge_rows(old, new, ("model", "variant", "batch"), "h1")
-    assert [(r["model"], r["step_ms"], r["code_hash"]) for r in merged] == [("b", 2.0, "h1"), ("a", 1.5, "h1")]
-
-
-def test_notes_about_an_earlier_run_go_when_its_rows_do():
-    result = {
-        "code_hash": "old",
-        "tests_note": "1 failure was ...",
-        "decode_note": "four processes ...",
-        "peer_process_rows": [{"variant": "limit", "code_hash": "old"}, {"variant": "limit", "code_hash": "new"}],
-    }
-    same = dict(result, code_hash="new")
-    record.drop_stale_notes(same, "new", {"suite"})  # another part of the same run: its note stays
-    assert (
-        same["decode_note"]
-        and same["tests_note"]
-        and same["peer_process_rows"] == [{"variant": "limit", "code_hash": "new"}]
-    )
-    record.drop_stale_notes(result, "new", {"suite", "tests"})
-    assert "decode_note" not in result and "tests_note" not in result
-    assert result["peer_process_rows"] == [{"variant": "limit", "code_hash": "new"}]
-    stale_only = {
-        "code_hash": "old",
-        "peer_process_rows": [{"code_hash": "old"}],
-        "host_breakdown_more": [{"code_hash": "old"}],
-    }
-    record.drop_stale_notes(stale_only, "new", {"suite"})
-    assert "peer_process_rows" not in stale_only and stale_only["host_breakdown_more"]  # not a host part
-    record.drop_stale_notes(stale_only, "new", {"host"})
-    assert "host_breakdown_more" not in stale_only
-
-
-def test_a_tests_run_of_a_selection_says_which(tmp_path):
-    """A device run of some of the CUDA tests must not read as the whole suite's result."""
-    import json
-
-    junit = tmp_path / "pytest.xml"
-    junit.write_text('<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
-    out = tmp_path / "h200.json"
-    for selection in ([], ["--tests-selection", "-m cuda -k 'not hf'"]):
-        _run_script(
-            [
-                "-m",
-                "benchmarks.record",
-                "--junit",
-                str(junit),
-                "--previous",
-                str(tmp_path / "none.json"),
-                "--out",
-                str(out),
-                *selection,
-            ]
-        )
-        tests = json.loads(out.read_text())["tests"]
-        assert (tests["passed"], tests["failed"], tests["skipped"]) == (3, 1, 1)
-        assert tests.get("selection") == (selection[1] if selection else None), tests
-
-
-def test_shards_junit_files_are_summed_and_startup_rows_stamped(tmp_path):
-    """``record.py --junit`` over the shards of ``run_device.sh cuda-tests`` and ``--hf-startup``."""
-    import json
-
-    shards = []
-    for i, (tests, failures) in enumerate(((5, 1), (4, 0))):
-        shards.append(tmp_path / f"pytest_{i}.xml")
-        shards[-1].write_text(
-            f'<testsuites><testsuite tests="{tests}" failures="{failures}" errors="0" skipped="1"/></testsuites>'
-        )
-    startup = tmp_path / "startup.json"
-    startup.write_text(json.dumps({"hf_startup": [{"model": "qwen3", "layers": 4, "cache": "dynamic", "cold_s": 9.0}]}))
-    out = tmp_path / "h200.json"
-    _run_script(
-        [
-            "-m",
-            "benchmarks.record",
-            "--junit",
-            *map(str, shards),
-            "--hf-startup",
-            str(startup),
-            "--previous",
-            str(tmp_path / "none.json"),
-            "--out",
-            str(out),
-            "--tests-collected",
-            "12",
-        ]
-    )
-    result = json.loads(out.read_text())
-    assert (result["tests"]["passed"], result["tests"]["failed"], result["tests"]["skipped"]) == (6, 1, 2)
-    assert result["tests"]["not_run"] == 3  # 12 collected, 9 with a result: a shard cut by its timeout
-    (row,) = result["hf_startup"]
-    assert row["cold_s"] == 9.0 and row["code_hash"] == result["tests"]["code_hash"]
-    assert row["specialize_float"] is False  # a row from before the option: torch's default
-
-
-def test_results_are_filed_by_the_kind_of_gpu():
-    """``run_device.sh`` records into ``results/<gpu_slug>.json``: the device lends H100s and H200s
-    from call to call, and rows of one must not be merged with (or divided by) rows of the other."""
-    assert record.gpu_slug("NVIDIA H200") == "h200"
-    assert record.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
-    assert record.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
-
-
-def test_record_stamps_the_graph_kernels_rows(tmp_path):
-    """``record.py --graph-kernels``: ``graph_kernels.py``'s rows, each stamped with the code hash."""
-    import json
-
-    kernels = tmp_path / "graph_kernels.json"
-    kernels.write_text(
-        json.dumps(
-            [{"model": "16L-whole-cache", "batch": 8, "limit": {"k": [1.0, 2.0]}, "piecewise": {"k": [1.0, 2.5]}}]
-        )
-    )
-    out = tmp_path / "h200.json"
-    _run_script(
-        [
-            "-m",
-            "benchmarks.record",
-            "--graph-kernels",
-            str(kernels),
-            "--previous",
-            str(tmp_path / "none.json"),
-            "--out",
-            str(out),
-        ]
-    )
-    (row,) = json.loads(out.read_text())["graph_kernels"]
-    assert row["piecewise"] == {"k": [1.0, 2.5]} and len(row["code_hash"]) == 64
-
-
-def test_record_merges_seed_workload_rows_of_two_calls(tmp_path):
-    """``record.py --seed-workload``: a second call's variants join the first's (same code hash), each
-    row stamped; the seed's vLLM numbers travel with them."""
-    import json
-
-    def call(variants, previous):
-        seed = tmp_path / "seed.json"
-        seed.write_text(
-            json.dumps(
-                {
-                    "seed_vllm": {"full": {"tpot_median_ms": 5.33}},
-                    "seed_workload": [{"variant": v, "tpot_median_ms": 1.0} for v in variants],
-                    "concurrency": [{"variant": v, "in_flight": 8, "out_tok_s": 9.0} for v in variants],
-                }
-            )
-        )
-        out = tmp_path / "h200.json"
-        _run_script(
-            ["-m", "benchmarks.record", "--seed-workload", str(seed), "--previous", str(previous), "--out", str(out)]
-        )
-        return out
-
-    first = call(["eager", "piecewise"], tmp_path / "none.json")
-    result = json.loads(call(["inductor"], first).read_text())
-    assert [r["variant"] for r in result["seed_workload"]] == ["eager", "piecewise", "inductor"]
-    assert {(r["variant"], r["in_flight"]) for r in result["concurrency"]} == {
-        ("eager", 8),
-        ("piecewise", 8),
-        ("inductor", 8),
-    }
-    assert all(len(r["code_hash"]) == 64 for r in result["seed_workload"] + result["concurrency"])
-    assert result["seed_vllm"]["full"]["tpot_median_ms"] == 5.33
-
-
-def test_suites_of_two_processes_merge_and_divide_by_the_other_processes_limit(tmp_path):
-    """What ``run_device.sh suite-apart`` relies on: the limit and the floor recorded from one process,
-    piecewise from another (``coresidence.py``: building the limit slows the piecewise step), both
-    rows kept, and piecewise divided by the limit row of its model and batch."""
-    import json
-
-    out = tmp_path / "h200.json"
-    previous = tmp_path / "none.json"
-    for name, rows in (
-        (
-            "limit",
-            [
-                {"model": "m", "variant": "limit", "batch": 8, "step_ms": 0.68},
-                {"model": "m", "variant": "dynamo-floor", "batch": 8, "step_ms": 0.74, "limit_same_process_ms": 0.68},
-            ],
-        ),
-        ("piecewise", [{"model": "m", "variant": "piecewise", "batch": 8, "step_ms": 0.78}]),
-    ):
-        part = tmp_path / f"suite_{name}.json"
-        part.write_text(json.dumps({"decode": rows}))
-        _run_script(["-m", "benchmarks.record", "--suite", str(part), "--previous", str(previous), "--out", str(out)])
-        previous = out
-    result = json.loads(out.read_text())
-    assert sorted(r["variant"] for r in result["decode"]) == ["dynamo-floor", "limit", "piecewise"]
-    ratios = {r["variant"]: r["vs_limit"] for r in result["vs_limit"]}
-    assert ratios == {"limit": 1.0, "dynamo-floor": round(0.74 / 0.68, 3), "piecewise": round(0.78 / 0.68, 3)}
-
-
-def test_rows_say_what_shared_their_process_and_its_limit():
-    args = argparse.Namespace(models=["tiny"], batches=[1, 2], variants=["eager", "limit"], rounds=3)
-    rows = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": 0.5}]
-    suite._mark_process(rows, args)
-    assert rows[0]["process"] == rows[1]["process"] == "tiny b1/2, interleaved: eager, limit"
-    assert rows[0]["limit_same_process_ms"] == 0.5 and "limit_same_process_ms" not in rows[1]
+def test_rows_say_what_shared_their_process_and_their_ratio_to_its_limit():
+    args = argparse.Namespace(child="tiny", batches=[1, 2], backends=["eager", "limit"], rounds=3)
+    rows = [{"variant": "eager", "step_ms": 5.0, "pipelined_ms": 4.0}, {"variant": "limit", "step_ms": 0.5}]
+    decode._mark_process(rows, args)
+    assert rows[0]["process"] == rows[1]["process"] == "tiny b[1, 2], interleaved: ['eager', 'limit']"
+    assert rows[0]["vs_limit"] == 10.0 and rows[1]["vs_limit"] == 1.0
+    assert "pipelined_vs_limit" not in rows[0]  # the limit's pipelined time was not measured
     failed_limit = [{"variant": "eager", "step_ms": 5.0}, {"variant": "limit", "step_ms": None}]
-    suite._mark_process(failed_limit, argparse.Namespace(models=["tiny"], batches=[1], variants=["eager", "limit"]))
-    assert "one at a time" in failed_limit[0]["process"] and "limit_same_process_ms" not in failed_limit[0]
-
-
-def _run_script(args: list, cwd=ROOT) -> str:
-    import subprocess
-
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
-
-
-def test_startup_row_splits_the_time_to_first_output():
-    """What a device run's ``--startup`` does per variant, on the tiny model (a fresh process)."""
-    import json
-
-    row = json.loads(
-        _run_script(["-m", "benchmarks.suite", "--first-output", "piecewise", "--models", "tiny", "--device", "cpu"])
-        .strip()
-        .splitlines()[-1]
-    )
-    parts = row["before_compile_s"] + row["compile_s"] + row["first_run_s"]
-    assert row["compile_s"] > 0 and abs(parts - row["seconds"]) < 0.01, row
-    assert row["inductor_graphs"] == 3 and row["backend_s"]["inductor"] > 0, row
-
-
-@pytest.mark.parametrize("model", ["tiny", "tiny-whole-cache"])
-def test_host_breakdown_of_the_default_one_graph_decode_step(tmp_path, model):
-    import json
-
-    out = tmp_path / "host.json"
-    _run_script(["-m", "benchmarks.host_breakdown", "--model", model, "--steps", "5", "--json", str(out)])
-    step = json.loads(out.read_text())["step"]
-    assert step["graph_attention"] and step["pieces"] == 1, step  # the decode step is one graph
-    assert step["us_per_step"]["whole call (enqueue, no sync)"] > 0 and step["us_per_step"]["eager pieces"] == 0
-
-
-def test_ab_versions_summarises_medians_and_ratio():
-    from benchmarks import ab_versions
-
-    def rows(limit, piecewise):
-        return ab_versions._with_ratios(
-            [
-                {"model": "m", "variant": "limit", "batch": 1, "step_ms": limit},
-                {"model": "m", "variant": "piecewise", "batch": 1, "step_ms": piecewise},
-            ]
-        )
-
-    runs = {
-        "A": [rows(1.0, 1.5), rows(1.0, 1.3), rows(2.0, 1.4)],
-        "B": [rows(1.0, 1.2), rows(1.0, 1.1), rows(1.0, 9.0)],
-    }
-    piecewise = next(r for r in ab_versions._summary(runs) if r["variant"] == "piecewise")
-    assert piecewise["A_step_ms"] == 1.4 and piecewise["B_step_ms"] == 1.2 and piecewise["B_over_A"] == 0.857
-    assert piecewise["A_vs_limit"] == 1.3 and piecewise["B_vs_limit"] == 1.2
-
-
-def test_ab_versions_runs_each_versions_own_suite(tmp_path):
-    """Both sides the same checkout here (CI's clone may lack other revisions); on the device they are
-    two exports (``--export REV DIR``)."""
-    import json
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    out = tmp_path / "ab.json"
-    _run_script(
-        [
-            "-m",
-            "benchmarks.ab_versions",
-            str(root),
-            str(root),
-            "--models",
-            "tiny",
-            "--batches",
-            "2",
-            "--steps",
-            "3",
-            "--prompt",
-            "4",
-            "--rounds",
-            "1",
-            "--variants",
-            "piecewise",
-            "--json",
-            str(out),
-        ]
-    )
-    result = json.loads(out.read_text())
-    assert result["versions"]["A"]["code_hash"] == record.code_hash(root)
-    (row,) = result["summary"]
-    assert row["variant"] == "piecewise" and row["A_step_ms"] > 0 and row["B_over_A"] is not None, row
+    decode._mark_process(failed_limit, argparse.Namespace(child="tiny", batches=[1], backends=["eager", "limit"]))
+    assert "one at a time" in failed_limit[0]["process"] and "vs_limit" not in failed_limit[0]
 
 
 @pytest.mark.cuda
@@ -652,20 +312,18 @@ def test_gpu_timed_records_events_and_waits_only_when_asked():
 
 
 def test_hf_generate_rows_time_decode_steps_and_compare_tokens(tmp_path):
-    """``hf_generate.py`` on CPU, two interleaved rounds: an eager row first (the reference), then a
+    """``hf.py`` on CPU, two interleaved rounds: an eager row first (the reference), then a
     piecewise row with its token agreement, speed-up and the decode graph's facts, one row per
     variant with a time per round; a variant that fails is a row with its error, once."""
     pytest.importorskip("transformers")
     import statistics
 
-    from benchmarks import hf_generate
+    from benchmarks import hf
 
-    rows: list = []
-    hf_generate.bench_model(
-        "tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], rows, lambda: None, "cpu", rounds=2
-    )
+    rows = list(hf.bench_model("tiny", [2], 5, ["eager", "piecewise-static", "no-such-variant"], "cpu", rounds=2))
     by_variant = {r["variant"]: r for r in rows}
-    assert [r["variant"] for r in rows] == ["eager", "piecewise-static", "no-such-variant"]
+    # a row comes once: a failed one at once, the others after their last round
+    assert [r["variant"] for r in rows] == ["no-such-variant", "eager", "piecewise-static"]
     eager, static = by_variant["eager"], by_variant["piecewise-static"]
     for row in (eager, static):
         assert row["rounds"] == "interleaved" and len(row["ms_rounds"]) == 2, row
@@ -682,7 +340,7 @@ def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
     import types
 
     import piecewise_backend
-    from benchmarks import hf_generate
+    from benchmarks import hf
 
     def graph(serial, calls, captures):
         stats = types.SimpleNamespace(
@@ -700,16 +358,16 @@ def test_hf_generate_facts_come_from_the_graph_that_served_the_row(monkeypatch):
 
     old, new = graph(1, 100, 1), graph(2, 0, 2)
     monkeypatch.setattr(piecewise_backend, "compiled_graphs", lambda: [old, new])
-    before = hf_generate.graph_calls()
+    before = hf.graph_calls()
     old.stats.calls, new.stats.calls = 110, 30
-    assert hf_generate.piecewise_facts(before)["captures"] == 2
-    assert hf_generate.piecewise_facts()["captures"] == 1  # without a baseline: the busiest overall
+    assert hf.piecewise_facts(before)["captures"] == 2
+    assert hf.piecewise_facts()["captures"] == 1  # without a baseline: the busiest overall
 
 
 def test_hf_generate_builds_each_architecture_at_a_depth_and_refuses_an_unknown_key():
     """``ARCH-NL-DIMS`` keys (the issue's Qwen3, Phi-3, Gemma 3 rows), built on the meta device."""
     pytest.importorskip("transformers")
-    from benchmarks import hf_generate
+    from benchmarks import hf
 
     for key, cls, layers in (
         ("qwen3-4L-512", "Qwen3ForCausalLM", 4),
@@ -717,45 +375,21 @@ def test_hf_generate_builds_each_architecture_at_a_depth_and_refuses_an_unknown_
         ("gemma3-4L-512", "Gemma3ForCausalLM", 4),
         ("8L-512", "LlamaForCausalLM", 8),
     ):
-        model = hf_generate.build_model(key, "meta", torch.bfloat16)
+        model = hf.build_model(key, "meta", torch.bfloat16)
         assert (
             type(model).__name__ == cls and model.config.num_hidden_layers == layers and model.dtype == torch.bfloat16
         )
-        assert hf_generate.model_config(key)[3] == layers
+        assert hf.model_config(key)[3] == layers
     with pytest.raises(ValueError, match="unknown model 'mamba-4L-512'.*ARCH-NL-DIMS"):
-        hf_generate.model_config("mamba-4L-512")
-
-
-def test_hf_startup_times_the_recipes_start_and_the_first_calls_at_a_new_batch_and_length():
-    """``hf_startup.py``'s child on CPU (graphs emulated): the README's start-up (batch 1, then 2),
-    after which a new batch size and a longer ``max_new_tokens`` compile nothing."""
-    pytest.importorskip("transformers")
-    import piecewise_backend
-    from benchmarks import hf_startup
-
-    torch._dynamo.reset()
-    with piecewise_backend.emulated_graphs():
-        row = hf_startup.first_calls("tiny", "dynamic", "piecewise", "cpu", torch.float32, after_start=True)
-    assert row["compiles_after_start"] == 0, row
-    assert row["start_s"] > 0 and row["new_batch_s"] >= 0 and row["new_length_s"] >= 0
-    assert row["backend_build_s"] > 0 and "capture_s" in row
-    assert 0 < row["backend_inductor_s"] <= row["backend_build_s"] and row["inductor_compiles"] >= 2, row
-    # the breakdown: prefill and decode are Dynamo graphs of their own; the backend is part of their compile
-    assert row["dynamo_frames"] >= 2 and row["dynamo_traces"] >= row["dynamo_frames"], row
-    assert (
-        0
-        < row["backend_call_s"]
-        <= row["dynamo_compile_s"]
-        <= row["start_s"] + row["new_batch_s"] + row["new_length_s"]
-    )
+        hf.model_config("mamba-4L-512")
 
 
 def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_outputs():
-    """``threads.py``'s two scenarios on CPU (graphs emulated, so captures and replays happen): the
+    """``reliability``'s ``threads`` scenarios on CPU (graphs emulated, so captures and replays happen): the
     neighbour thread ran and erred nowhere, every call was compared with eager."""
     pytest.importorskip("transformers")
     import piecewise_backend
-    from benchmarks import threads
+    from benchmarks import reliability as threads
 
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
@@ -768,60 +402,18 @@ def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_out
     assert calls == {"concurrent_calls": 12, "concurrent_wrong": 0, "concurrent_errors": 0, "concurrent_threads": 2}
 
 
-def test_serving_benchmark_times_an_engine_and_counts_its_captures_and_replaced_sizes():
-    """``serving.py``'s row on CPU (graphs emulated): the engine warmed up, served a trace, and with
-    ``max_captured_sizes=8`` the sizes captured followed the traffic (lazy captures happened while
-    serving, and show as stalls)."""
-    import piecewise_backend
-    from benchmarks import serving
-
-    args = argparse.Namespace(
-        config="tiny", requests=10, rate=0.0, max_num_tokens=32, max_num_seqs=4, agreement_requests=3
-    )
-    with piecewise_backend.emulated_graphs():
-        torch._dynamo.reset()
-        row = serving.serve(args, "piecewise-cap8", "cpu")
-        agreement = serving.agreement(args, "piecewise", "cpu")
-    assert row["output_tokens"] > 0 and row["tokens_per_s"] > 0 and row["itl_p50_ms"] > 0, row
-    assert 0 < row["captures"] and row["failed_captures"] == 0 and row["replays"] > 0, row
-    assert row["worst_capture_stall_ms"] is not None and row["steps"] > 0
-    assert agreement == 1.0
-
-
-def test_dynamo_entry_benchmark_times_each_guard_filter():
-    pytest.importorskip("transformers")
-    from benchmarks import dynamo_entry
-
-    rows = dynamo_entry.entry_us(1, "cpu")
-    variants = [r["variant"] for r in rows]
-    assert variants[0] == "guards" and variants[-1] == "set_stance(skip_guard_eval_unsafe=True)" and len(rows) >= 3
-    assert all(r["entry_us"] > 0 for r in rows), rows
-
-
-def test_profile_build_profiles_the_backends_build_only():
-    """``profile_build.py`` on CPU (graphs emulated, as on CUDA): the build's total and Inductor share,
-    then the backend's own functions by cumulative time."""
-    pytest.importorskip("transformers")
-    out = _run_script(
-        ["-m", "benchmarks.profile_build", "--model", "tiny", "--cache", "static", "--device", "cpu", "--top", "6"]
-    )
-    head = out.splitlines()[0]
-    assert head.startswith("generate ") and "Inductor" in head and "compiles" in head, out[:500]
-    assert "piecewise_backend/backend.py" in out and "(build)" in out, out[:3000]
-
-
 def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurrency():
-    """``seed_workload.py``'s rows on CPU (graphs emulated): vLLM's serving metrics over a seeded trace,
+    """``serving``'s rows on CPU (graphs emulated): vLLM's serving metrics over a seeded trace,
     the full graphs and piecewise graphs it used, a sweep row per level, and the figure."""
     import piecewise_backend
-    from benchmarks import seed_workload
+    from benchmarks import serving
 
     args = argparse.Namespace(
         config="tiny", device="cpu", requests=4, rate=0.0, in_flight=[1, 3], max_num_tokens=32, agreement_variants=""
     )
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
-        row, sweep = seed_workload.serve(args, "full-and-piecewise")
+        row, *sweep = serving.serve(args, "full-and-piecewise")
     for name in ("ttft", "tpot", "itl"):
         assert row[f"{name}_median_ms"] > 0 and row[f"{name}_p99_ms"] >= row[f"{name}_median_ms"], row
     assert row["full_replays"] > 0 and row["piecewise_replays"] > 0 and row["full_fallbacks"] == 0, row
@@ -830,14 +422,14 @@ def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurren
     assert [r["decode_batch_median"] for r in sweep][0] == 1 and all(r["decode_step_median_ms"] > 0 for r in sweep)
     assert all(r["decode_steps"] > 0 and "floor_ms" not in r for r in sweep)  # no floor without a GPU's bandwidth
     done = [toy_request(i, [0, 1], [5, 6, 7], arrival=0.5 * i) for i in range(2)]
-    metrics = seed_workload.latencies(done, start=100.0)
+    metrics = serving.latencies(done, start=100.0)
     assert metrics["ttft_median_ms"] == pytest.approx(1000.0) and metrics["tpot_median_ms"] == pytest.approx(500.0)
 
 
 def test_a_decode_steps_floor_is_the_weights_once_and_its_rows_keys():
     """``floor_ms``: the bytes a decode step must read (every weight once, a key and a value per cached
     token per layer) over the copy bandwidth; ``vs_floor`` each step over its own floor."""
-    from benchmarks.seed_workload import StepFloor
+    from benchmarks.serving import StepFloor
     from toys import engine as toy
 
     model = toy.EngineModel(toy.TINY)
@@ -857,96 +449,24 @@ def test_a_decode_steps_floor_is_the_weights_once_and_its_rows_keys():
     assert row["vs_floor"] == pytest.approx(3.0, abs=0.01)
 
 
-def test_paged_kernel_benchmark_rows_carry_the_issues_schema(tmp_path):
-    """``paged_kernel.py --smoke`` (CPU: the reference path checked against SDPA, no timing): one row per
-    (B, context), each naming its GPU and code hash; record.py files them under ``"paged_kernel"``."""
-    import json
-
-    out = tmp_path / "k.json"
-    _run_script(["-m", "benchmarks.paged_kernel", "--out", str(out), "--smoke"])
-    rows = json.loads(out.read_text())["paged_kernel"]
-    assert [(r["B"], r["context"]) for r in rows] == [(1, 40), (8, 40)]
-    for row in rows:
-        assert {"B", "context", "paged_us", "sdpa_us", "floor_us", "gpu", "code_hash"} <= set(row)
-        assert row["gpu"] == "cpu" and len(row["code_hash"]) == 64
-    recorded = tmp_path / "h.json"
-    _run_script(
-        [
-            "-m",
-            "benchmarks.record",
-            "--paged-kernel",
-            str(out),
-            "--previous",
-            str(tmp_path / "no.json"),
-            "--out",
-            str(recorded),
-        ]
-    )
-    assert [(r["B"], r["context"]) for r in json.loads(recorded.read_text())["paged_kernel"]] == [(1, 40), (8, 40)]
-
-
-def toy_request(i, prompt, output, arrival):
-    """A finished request whose tokens came at 101 s + arrival, then every 0.5 s."""
-    from toys.engine import Request
-
-    request = Request(i, prompt, len(output), arrival, list(output))
-    request.token_times = [101.0 + arrival + 0.5 * k for k in range(len(output))]
-    return request
-
-
-def test_second_call_rows_are_filed_as_hf_second_call(tmp_path):
-    """``hf_generate.py``'s second-call variant (a new static cache length in a second ``generate()``)
-    goes to its own key; the other rows stay under ``"hf"``."""
-    import json
-
-    rows = [
-        {"model": "granite", "layers": 28, "cache": "static", "batch": 1, "variant": v, "ms_per_token": ms}
-        for v, ms in (("eager", 20.0), ("piecewise-static-second-call", 5.0))
-    ]
-    hf = tmp_path / "hf.json"
-    hf.write_text(json.dumps({"hf": rows, "torch": "2.13", "transformers": "5.17"}))
-    out = tmp_path / "h200.json"
-    _run_script(
-        ["-m", "benchmarks.record", "--hf", str(hf), "--previous", str(tmp_path / "none.json"), "--out", str(out)]
-    )
-    result = json.loads(out.read_text())
-    assert [r["variant"] for r in result["hf"]] == ["eager"]
-    assert [r["variant"] for r in result["hf_second_call"]] == ["piecewise-static-second-call"]
-    assert result["hf_second_call"][0]["code_hash"] == result["hf"][0]["code_hash"]
-
-
 def test_hf_generate_second_call_times_a_generate_with_a_new_static_cache_length():
     """``piecewise-static-second-call``: a first ``generate()`` at a quarter of the tokens, then the
     timed one (a new static cache, new length): eager's tokens, and the whole call's time beside the
     per-step one (graphs emulated: the decode steps are served by them)."""
     pytest.importorskip("transformers")
     import piecewise_backend
-    from benchmarks import hf_generate
+    from benchmarks import hf
 
-    rows: list = []
     with piecewise_backend.emulated_graphs():
-        hf_generate.bench_model("tiny", [1], 8, ["eager", hf_generate.SECOND_CALL], rows, lambda: None, "cpu")
+        rows = list(hf.bench_model("tiny", [1], 8, ["eager", hf.SECOND_CALL], "cpu"))
     second = rows[1]
-    assert second["variant"] == hf_generate.SECOND_CALL and second["cache"] == "static", second
+    assert second["variant"] == hf.SECOND_CALL and second["cache"] == "static", second
     assert second["token_agreement"] == 1.0 and second["call_ms_per_token"] >= second["ms_per_token"] > 0, second
     assert second["replays"] > 0 and second["ungraphed_runs"] == 0, second
 
 
-def test_hybrid_check_row_says_tokens_and_the_share_of_decode_calls_graphed():
-    """``hybrid_check.py``'s row on CPU (graphs emulated; no Inductor, for time)."""
-    pytest.importorskip("transformers")
-    import piecewise_backend
-    from benchmarks import hybrid_check
-
-    with piecewise_backend.emulated_graphs():
-        row = hybrid_check.check("exaone4", "dynamic", 3, 4, 6, "cpu", "eager")  # sliding, sliding, full
-    assert row["same_tokens"] and row["decode_calls"] == 10, row
-    assert row["decode_share_graphed"] >= 0.9 and row["captures"] > 0, row
-    assert row["layer_types"].count("sliding_attention") >= 1, row
-
-
 def test_triton_compiles_are_counted_per_put_group_and_not_per_cache_hit(tmp_path, monkeypatch):
-    """``start_up.py``'s ``triton_compiles``: Triton writes a kernel's group once, when it compiles it."""
+    """``startup``'s ``triton_compiles``: Triton writes a kernel's group once, when it compiles it."""
     pytest.importorskip("triton")
     from benchmarks import triton_compiles
 
@@ -966,3 +486,150 @@ def test_triton_compiles_are_counted_per_put_group_and_not_per_cache_hit(tmp_pat
     get_cache_manager("b" * 64).put_group("kernel_b.json", {})
     assert triton_compiles.compiled(log) == {"kernel_a": 1, "kernel_b": 1}
     assert triton_compiles.compiled(str(tmp_path / "none.log")) == {}
+
+
+# -- the suites, the harness, the results files and the report ------------------------------------------
+
+
+def _run(args: list, timeout: int = 600) -> subprocess.CompletedProcess:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_the_bench_folder_is_a_handful_of_modules_and_list_names_every_suite():
+    modules = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py"))
+    assert len(modules) <= 15, modules
+    listed = _run(["--list"]).stdout.splitlines()
+    assert [line.split()[0] for line in listed] == list(SUITES)
+
+
+#: what each suite's smoke rows must carry among their figures (``tensor-parallel``'s smoke run is
+#: ``tests/test_tensor_parallel.py``'s, with its tokens checked)
+SMOKE_FIGURES = {
+    "decode": {"model", "batch", "step_ms", "host_ms", "first_call_s"},
+    "serving": {"workload", "tpot_median_ms", "out_tok_s"},
+    "hf": {"model", "batch", "ms_per_token", "token_agreement", "transformers"},
+    "startup": {"caches", "startup_s", "trace_s", "load_s", "triton_compiles", "tpot_median_ms"},
+    "kernels": {"B", "context", "paged_us", "sdpa_us", "floor_us"},
+    "reliability": {"fuzz": {"steps", "wrong"}, "threads": {"background_wrong", "concurrent_wrong"}},
+}
+
+
+@pytest.mark.parametrize("suite", sorted(SMOKE_FIGURES))
+def test_every_suite_runs_its_smoke_on_cpu_in_the_harness_schema(suite, tmp_path):
+    if suite in ("hf",):
+        pytest.importorskip("transformers")
+    out = tmp_path / "rows.jsonl"
+    printed = _run([suite, "--smoke", "--out", str(out)], timeout=900).stdout
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and [json.loads(line) for line in printed.splitlines() if line.startswith("{")] == rows
+    digest = harness.code_hash()
+    for row in rows:
+        assert list(row) == list(harness.SCHEMA) and row["suite"] == suite, row
+        assert row["gpu"] == harness.gpu_name() and row["torch"] == torch.__version__ and row["code_hash"] == digest
+        assert "error" not in row["figures"], row
+        wanted = SMOKE_FIGURES[suite]
+        wanted = wanted[row["variant"]] if isinstance(wanted, dict) else wanted
+        assert wanted <= set(row["figures"]), (suite, sorted(row["figures"]))
+        assert all(row["figures"][k] == 0 for k in wanted if k.endswith("wrong")), row  # outputs as eager's
+
+
+def _toy_suite(run):
+    return harness.Suite(name="toy", about="a suite of the test's own", variants=("a", "b"), run=run, timeout=5)
+
+
+def test_a_child_that_fails_or_hangs_leaves_a_row_saying_so_and_the_others_run(monkeypatch):
+    """The harness's children: a variant that raises is an ``error`` row, one past its timeout too
+    (killed, with the rows it gave before), and the next variant still runs."""
+    script = (
+        "import sys, time; v = sys.argv[sys.argv.index('--child') + 1]; print('ROW {\"n\": 1}', flush=True)\n"
+        "if v == 'a': raise SystemExit('variant a broke')\n"
+        "time.sleep(60)\n"
+    )
+    monkeypatch.setattr(harness.sys, "executable", sys.executable)
+    cmd = [sys.executable, "-c", script]
+    rows = {}
+    for variant, timeout in (("a", 30), ("b", 3)):
+        child = harness._child_rows(_toy_suite(None), variant, [], timeout, dict(__import__("os").environ))
+        monkeypatch.setattr(harness.subprocess, "Popen", _popen_with(cmd))
+        rows[variant] = list(child)
+    assert rows["a"][0] == {"n": 1} and "variant a broke" in rows["a"][1]["error"], rows
+    assert rows["b"] == [{"n": 1}, {"error": "timed out after 3 s (1 rows before)"}]
+
+
+def _popen_with(cmd):
+    real = subprocess.Popen
+
+    def popen(args, **kwargs):
+        return real([*cmd, *args[args.index("--child") :]], **{k: v for k, v in kwargs.items() if k != "cwd"})
+
+    return popen
+
+
+def test_smoke_options_come_first_and_the_command_line_wins_and_unknown_variants_are_refused():
+    suite = _toy_suite(None)
+    suite = harness.Suite(**{**suite.__dict__, "smoke": ("--variants", "a")})
+    assert harness.parse(suite, ["--smoke"]).variants == "a"
+    assert harness.parse(suite, ["--smoke", "--variants", "b"]).variants == "b"
+    with pytest.raises(SystemExit, match="no variant c; the suite has a, b"):
+        harness.parse(suite, ["--variants", "a,c"])
+
+
+def _row(suite, variant, digest, gpu="NVIDIA H100 80GB HBM3", **figures):
+    return harness.row(suite, variant, figures, gpu=gpu, torch_version="2.11.0", digest=digest)
+
+
+def test_record_files_rows_by_gpu_and_a_run_again_replaces_its_own_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(harness, "RESULTS", tmp_path)
+    first = [_row("kernels", "paged", "h1", B=1, paged_us=9.0), _row("kernels", "paged", "h1", B=8, paged_us=12.0)]
+    other = [_row("kernels", "paged", "h1", gpu="NVIDIA H200", B=1, paged_us=8.0)]
+    assert sorted(p.name for p in harness.record(first + other)) == ["h100.json", "h200.json"]
+    again = [_row("kernels", "paged", "h1", B=1, paged_us=7.0)]
+    newer = [_row("kernels", "paged", "h2", B=1, paged_us=6.0)]
+    harness.record(again)
+    harness.record(newer)
+    rows = json.loads((tmp_path / "h100.json").read_text())["rows"]
+    assert [(r["code_hash"], r["figures"]["paged_us"]) for r in rows] == [("h1", 7.0), ("h2", 6.0)]
+    assert report.current(rows) == {"kernels": [rows[-1]]}  # the newest hash recorded, only
+    with pytest.raises(SystemExit, match="measured on CPU"):
+        harness.record([_row("kernels", "paged", "h1", gpu="cpu")])
+    with pytest.raises(SystemExit, match="not written by the harness"):
+        harness.record([{"suite": "kernels", "gpu": "NVIDIA H100"}])
+
+
+def test_report_writes_each_block_from_the_results_and_check_catches_a_hand_edit(tmp_path, monkeypatch):
+    rows = [
+        _row("startup", "eager", "h1", startup_s=10.0),
+        _row("startup", "warm", "h1", startup_s=12.0),
+        _row("startup", "inductor", "h1", startup_s=25.0),
+    ]
+    files = {"h100": rows}
+    line = report.startup_line(files)
+    assert line.startswith("eager 10.0 s, warm artifact 12.0 s (1.20×), first deploy 25.0 s (2.50×)")
+    assert "`h1…`" in line and "NVIDIA H100" in line
+    text = "before\n<!-- startup:begin -->\nold numbers\n<!-- startup:end -->\nafter\n"
+    assert (
+        report.replace_block(text, "startup", line, "x")
+        == f"before\n<!-- startup:begin -->\n{line}\n<!-- startup:end -->\nafter\n"
+    )
+    with pytest.raises(SystemExit, match="no <!-- kernels:begin -->"):
+        report.replace_block(text, "kernels", "", "x")
+    assert "| startup | H100 | `h1` | eager 10.0 s" in report.numbers_table(files)
+
+
+def test_the_committed_readme_numbers_are_what_the_results_files_give():
+    """``python -m benchmarks report --check``: every generated block in README.md and
+    benchmarks/README.md equals what the committed results give (a hand edit or a stale table fails)."""
+    _run(["report", "--check"])
+
+
+def toy_request(i, prompt, output, arrival):
+    """A finished request whose tokens came at 101 s + arrival, then every 0.5 s."""
+    from toys.engine import Request
+
+    request = Request(i, prompt, len(output), arrival, list(output))
+    request.token_times = [101.0 + arrival + 0.5 * k for k in range(len(output))]
+    return request

@@ -183,34 +183,15 @@ def test_a_hugging_face_model_under_its_own_tp_plan_gives_the_whole_models_token
     """transformers' ``tp_plan="auto"`` (its row-parallel linears all-reduce through
     ``torch.distributed``, which Dynamo traces into collectives), two gloo ranks, emulated graphs:
     the backend finds the collectives (the ranks agree), captures and replays, and greedy decoding
-    gives the tokens of the whole model in one process. The same script times it on two GPUs."""
+    gives the tokens of the whole model in one process. The suite's smoke run (``python -m benchmarks
+    tensor-parallel --smoke``); the same suite times it on two GPUs."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it for tp_plan
-    out = tmp_path / "tp.json"
-    command = [
-        *TORCHRUN,
-        "-m",
-        "benchmarks.hf_tensor_parallel",
-        "--out",
-        str(out),
-        "--model",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--batches",
-        "3",
-        "--tokens",
-        "6",
-        "--variants",
-        "eager",
-        "piecewise-static",
-        "--emulate",
-    ]
-    run = subprocess.run(
-        command, capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
-    )
+    out = tmp_path / "tp.jsonl"
+    command = [sys.executable, "-m", "benchmarks", "tensor-parallel", "--smoke", "--out", str(out)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-4000:]
-    rows = {row["variant"]: row for row in json.loads(out.read_text())["hf"]}
+    rows = {row["variant"]: row["figures"] for row in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {"eager", "piecewise-static"}, rows
     for row in rows.values():
         assert row["token_agreement"] == 1.0, row

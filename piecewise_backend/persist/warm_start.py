@@ -182,5 +182,5 @@ def load(path: str, fn: Callable, *, options: Mapping | None = None, dynamic: bo
         warnings.warn(f"piecewise: not loading {path}: {type(exc).__name__}: {exc}. Compiling instead.", stacklevel=2)
         return _compile(fn, options, dynamic)
     warm = WarmFunction(functions, fn, options, dynamic, file)
-    warm.load_seconds = seconds  # where a warm start's load went (benchmarks/start_up.py reports it)
+    warm.load_seconds = seconds  # where a warm start's load went (the startup suite reports it)
     return warm

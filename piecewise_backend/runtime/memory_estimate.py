@@ -10,7 +10,7 @@ each a little smaller than the largest's, the allocator's best fit hands some of
 other temporaries of its step then miss, and one of those (a large one) takes a new segment; after
 that, every smaller size fits in what the pool holds. So once the largest and the size next below
 it are captured (largest first, as ``capture()`` goes), the others add next to nothing (measured
-per size: ``graph_memory.py --sweep``, ``benchmarks/README.md``).
+per size: ``benchmarks/README.md``, "History").
 
 Two estimates before this one missed on the serving engine by a quarter: the first took the growth
 of one size captured after the largest for bytes every size keeps (sizes keep none); the second

@@ -59,9 +59,8 @@ def memory_growth(device: str, replays: int, seed: int = 7, sizes=(1, 3, 8, 17, 
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda")
+def options(parser: argparse.ArgumentParser) -> None:
+    """The fuzz run's options (``python -m benchmarks reliability`` adds them to its own)."""
     parser.add_argument("--models", type=int, default=8)
     parser.add_argument("--steps", type=int, default=150, help="steps per model")
     parser.add_argument("--max-batch", type=int, default=600)
@@ -70,8 +69,10 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true", help="a neighbour thread, then concurrent callers")
     parser.add_argument("--concurrent-models", type=int, default=4)
     parser.add_argument("--concurrent-calls", type=int, default=200, help="per model, over both threads")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+
+
+def run(args) -> dict:
+    """The whole run's totals (and up to 50 wrong steps' descriptions)."""
     # the backend's warnings are expected here (moved weights, ...); torch's "The CUDA Graph is empty"
     # is counted: a capture that recorded no kernel (pieces without device work are not captured)
     empty_graphs = []
@@ -118,6 +119,16 @@ def main() -> None:
     out["seconds"] = round(time.perf_counter() - start, 1)
     out["empty_graph_warnings"] = len(empty_graphs)
     warnings.showwarning = show
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    options(parser)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    out = run(args)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps({k: v for k, v in out.items() if k != "failures"}, indent=1))

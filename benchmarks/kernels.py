@@ -1,8 +1,8 @@
-"""The paged decode kernel against torch's flash SDPA and the memory floor, in µs per call.
+"""Suite ``kernels``: the paged decode kernel against torch's flash SDPA and the memory floor, in µs per call.
 
-    python -m benchmarks.paged_kernel --out paged_kernel.json [--batches 1,8,32,64,128] [--contexts 1000,4000]
-    python -m benchmarks.paged_kernel --out /tmp/k.json --variants      # also other launches of the kernel
-    python -m benchmarks.paged_kernel --out /tmp/k.json --smoke         # CPU: tiny sizes, the reference path
+    python -m benchmarks kernels [--batches 1,8,32,64,128] [--contexts 1000,4000]
+    python -m benchmarks kernels --variants paged-launches   # other launches of the kernel than the chosen
+    python -m benchmarks kernels --smoke                     # CPU: tiny sizes, the reference path, no timing
 
 Shapes: Qwen2.5-1.5B's attention (12 query heads, 2 KV heads, head dim 128), bf16, pages of 16
 tokens, every row ``context`` cached keys, its pages scattered over the cache. Per (B, context):
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import pathlib
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.record import code_hash
+from benchmarks.harness import Suite
 from piecewise_backend.ops import paged_decode_attention
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 12, 2, 128, 16
@@ -155,33 +154,33 @@ def smoke_row(batch: int, context: int) -> dict:
             "sdpa_default_us": None, "floor_us": None, "copy_gbs": None, "copies": 1}  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--batches", default="1,8,32,64,128")
-    parser.add_argument("--contexts", default="1000,4000")
-    parser.add_argument("--variants", action="store_true", help="also time other launches of the kernel")
-    parser.add_argument("--smoke", action="store_true", help="CPU: tiny sizes, the row schema, no timing")
-    args = parser.parse_args()
+def rows(variant: str, args) -> Iterator[dict]:
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
-    if args.smoke:
-        batches, contexts = batches[:2], [min(c, 40) for c in contexts[:1]]
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.smoke else "cpu"
-    result = {"paged_kernel": []}  # rows only (each names its GPU): record.py replaces the key's rows
-    bandwidth = None
-    if not args.smoke:
-        from benchmarks.timing import copy_bandwidth
+    if args.smoke or not torch.cuda.is_available():
+        for context in contexts:
+            for batch in batches:
+                yield smoke_row(batch, context)
+        return
+    from benchmarks.timing import copy_bandwidth
 
-        bandwidth = copy_bandwidth()
-    digest = code_hash()
+    bandwidth = copy_bandwidth()
     for context in contexts:
         for batch in batches:
-            row = smoke_row(batch, context) if args.smoke else measure(batch, context, bandwidth, args.variants)
-            result["paged_kernel"].append({**row, "gpu": gpu, "code_hash": digest})
-            print(json.dumps(result["paged_kernel"][-1]), flush=True)
-            pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            yield measure(batch, context, bandwidth, variants=variant == "paged-launches")
 
 
-if __name__ == "__main__":
-    main()
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--contexts", default="1000,4000")
+
+
+SUITE = Suite(
+    name="kernels",
+    about="the paged decode kernel against flash SDPA on the same keys and the byte floor (µs per call)",
+    variants=("paged", "paged-launches"),
+    default=("paged",),
+    run=rows,
+    options=options,
+    smoke=("--batches", "1,3", "--contexts", "40"),
+)

@@ -1,12 +1,16 @@
-"""The benchmark suite: decode step time of toy Llamas under every backend a user would pick.
+"""Suite ``decode``: decode step time of toy Llamas under every backend a user would pick, against
+the step captured whole in one CUDA graph (``limit``: the one-graph limit).
 
-    python -m benchmarks.suite --out suite.json [--models 16L 28L --batches 1 8 32 --steps 40]
+    python -m benchmarks decode [--variants 16L,28L] [--batches 1,8,32] [--backends piecewise,limit] [--rounds 3]
+    python -m benchmarks decode --smoke        # CPU: the tiny model, three backends
 
-This module runs the variants and assembles the rows; the models are in ``suite_models.py``, how
-each variant is compiled and timed in ``suite_variants.py``, the timing loops in ``timing.py`` and
-the host's speed in ``host_speed.py``.
+The suite's variants are the models, one child process each; the backends of a model are timed in
+turns in its process (the machines are noisy: read ratios, each row's ``vs_limit`` is its step over
+the limit's of the same process and batch). This module runs them and assembles the rows; the models
+and how each backend is compiled and timed are in ``decode_variants.py``, the timing loops and the
+host's speed in ``timing.py``.
 
-Variants, side by side in one process (the machines are noisy; read ratios):
+Backends (``--backends``), side by side in one process:
 
 * ``eager``: the model as written.
 * ``inductor``: ``torch.compile`` default.
@@ -74,32 +78,34 @@ SDPA runs with torch's defaults, as a user's does (rows say ``"sdpa": "torch def
 named with the suffix ``+pinned-sdpa`` (``piecewise+pinned-sdpa``, ``limit+pinned-sdpa``, ...) is the
 same variant compiled and timed under ``sdpa_kernel([FLASH, EFFICIENT])``, as every row was before
 the backend chose the eager attention's kernels itself (``eager_sdpa_backends``): the two side by side
-show what a user's defaults cost. Startup (``--startup``): time from ``torch.compile`` to first output in fresh processes, cold
-(empty Inductor cache) and warm (second process, same cache), for ``inductor`` and ``piecewise``.
+show what a user's defaults cost.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 
-import piecewise_backend
-from benchmarks import host_speed
-from benchmarks.host_speed import fast_host_times, settled_probe
-from benchmarks.plot import SAME_PROCESS_LIMIT
-from benchmarks.suite_models import IDIOMS, MODELS, model_name, models_for, size_caches, toy_model
-from benchmarks.suite_variants import VARIANTS, prepared_variant, sdpa_label
-from benchmarks.timing import sm_clock_mhz
-from piecewise_backend.runtime.devices import synchronize
+from benchmarks import timing
+from benchmarks.decode_variants import (
+    IDIOMS,
+    MODELS,
+    VARIANTS,
+    model_name,
+    models_for,
+    prepared_variant,
+    sdpa_label,
+    size_caches,
+)
+from benchmarks.harness import Suite
+from benchmarks.timing import fast_host_times, settled_probe, sm_clock_mhz
+
+# a row's time field -> its ratio to the limit's (same process, same batch)
+RATIOS = {"step_ms": "vs_limit", "pipelined_ms": "pipelined_vs_limit", "step_ms_fast_host": "vs_limit_fast_host"}
 
 
 def _error(exc: Exception) -> str:
@@ -108,23 +114,20 @@ def _error(exc: Exception) -> str:
 
 
 def _mark_process(batch_rows: list[dict], args) -> None:
-    """Say on each row what shared its process, and the limit timed there.
+    """Say on each row what shared its process, and its times over the limit's of that process.
 
     Why: the same variant measures differently with what else the process holds (the limit
-    itself, one graph and no host work, took 0.98 and 1.08 ms in two processes of one lease), and
-    a device call cannot hold every variant at every batch, so results merge rows of several
-    processes: a ratio is only as good as the knowledge of which rows shared one.
+    itself, one graph and no host work, took 0.98 and 1.08 ms in two processes of one lease): a
+    ratio is only as good as the knowledge of which rows shared one.
     """
     how = "interleaved" if getattr(args, "rounds", 1) > 1 else "one at a time"
-    label = f"{'/'.join(args.models)} b{'/'.join(map(str, args.batches))}, {how}: {', '.join(args.variants)}"
+    label = f"{args.child} b{args.batches}, {how}: {args.backends}"
     limit = next((r for r in batch_rows if r["variant"] == "limit"), {})
     for row in batch_rows:
         row["process"] = label
-        if row["variant"] == "limit":
-            continue
-        for field, same in SAME_PROCESS_LIMIT.items():
-            if limit.get(field) is not None:
-                row[same] = limit[field]
+        for field, ratio in RATIOS.items():
+            if row.get(field) and limit.get(field):
+                row[ratio] = round(row[field] / limit[field], 3)
 
 
 def _pipelined_ms(row: dict, measure) -> float | None:
@@ -137,17 +140,18 @@ def _pipelined_ms(row: dict, measure) -> float | None:
         return None
 
 
-def decode_rows(args, device: str, rows: list) -> list[dict]:
-    """Appends each row to ``rows`` as it is measured (so a run cut short keeps what it measured).
-    With ``args.rounds`` > 1, :func:`interleaved_rows` instead."""
+def decode_rows(args, device: str) -> Iterator[dict]:
+    """The model's rows, a batch's as soon as its backends are timed. With ``args.rounds`` > 1,
+    :func:`interleaved_rows` instead."""
     if getattr(args, "rounds", 1) > 1:
-        return interleaved_rows(args, device, rows)
-    for key in args.models:
+        yield from interleaved_rows(args, device)
+        return
+    for key in [args.child]:
         model, twin = models_for(key, args, device)
         for batch in args.batches:
             size_caches(model, batch)
             batch_rows = []
-            for variant in args.variants:
+            for variant in args.backends:
                 row = {"model": model_name(model), "variant": variant, "batch": batch}
                 batch_rows.append(row)
                 try:
@@ -167,14 +171,11 @@ def decode_rows(args, device: str, rows: list) -> list[dict]:
                         row["pipelined_ms"] = _pipelined_ms(row, measure)
                 except Exception as exc:  # a failure is a result, not a skip
                     row.update(step_ms=None, first_call_s=None, error=_error(exc))
-                _mark_process(batch_rows, args)
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                _save(args)
-    return rows
+            _mark_process(batch_rows, args)
+            yield from batch_rows
 
 
-def interleaved_rows(args, device: str, rows: list) -> list[dict]:
+def interleaved_rows(args, device: str) -> Iterator[dict]:
     """Per model and batch: every variant compiled and warmed up first, then ``args.rounds`` rounds
     that time each variant in turn; a row's ``step_ms`` is the median of its rounds
     (``step_ms_rounds``).
@@ -189,16 +190,16 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
     settle = getattr(args, "settle", 0)
     deadline = time.perf_counter() + settle
     while time.perf_counter() < deadline:  # learn the host's full speed before the first round waits for it
-        host_speed.probe()
+        timing.probe()
         time.sleep(0.05)
-    for key in args.models:
+    for key in [args.child]:
         model, twin = models_for(key, args, device)
         for batch in args.batches:
             size_caches(model, batch)
             torch._dynamo.reset()
             batch_rows, measures, facts = {}, {}, {}
             with torch.inference_mode():
-                for variant in args.variants:
+                for variant in args.backends:
                     row = batch_rows[variant] = {
                         "model": model_name(model),
                         "variant": variant,
@@ -227,7 +228,7 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                         try:
                             probe = settled_probe(settle)
                             step_ms, host_ms = measure()
-                            row["host_probe_us_rounds"].append(round(max(probe, host_speed.probe()), 2))
+                            row["host_probe_us_rounds"].append(round(max(probe, timing.probe()), 2))
                             row["step_ms_rounds"].append(round(step_ms, 4))
                             row["host_ms_rounds"].append(round(host_ms, 4))
                             row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
@@ -252,140 +253,51 @@ def interleaved_rows(args, device: str, rows: list) -> list[dict]:
                     if ok and pipelined and "pipelined_error" not in row
                     else None
                 )
-            fast_host_times(list(batch_rows.values()), host_speed.FASTEST_PROBE[0])
+            fast_host_times(list(batch_rows.values()), timing.FASTEST_PROBE[0])
             _mark_process(list(batch_rows.values()), args)
-            for row in batch_rows.values():
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-            _save(args)
-    return rows
+            yield from batch_rows.values()
 
 
-_RESULT: dict = {}
+def rows(variant: str, args) -> Iterator[dict]:
+    """In the child: the model ``variant``'s rows, every backend at every batch."""
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.backends = args.backends.split(",")
+    unknown = sorted(set(args.backends) - set(VARIANTS))
+    if unknown:
+        raise SystemExit(f"decode: no backend {', '.join(unknown)}; there are {', '.join(VARIANTS)}")
+    yield from decode_rows(args, args.device)
 
 
-def _save(args) -> None:
-    if getattr(args, "out", None):
-        with open(args.out, "w") as f:
-            json.dump(_RESULT, f, indent=1)
-
-
-# -- startup --------------------------------------------------------------------------------------
-
-
-def first_output(variant: str, model_key: str, device: str) -> None:
-    """(In a fresh process.) Print seconds from torch.compile to the first output, and compiles."""
-    model = toy_model(model_key, device, max_batch=1, max_seq=300)
-    ids = torch.randint(0, model.cfg.vocab, (1, 256), device=device)
-    compiling = _compile_span()
-    with torch.inference_mode():  # torch's SDPA defaults, as a user starts
-        synchronize(device)
-        start = time.perf_counter()
-        step = torch.compile(model) if variant == "inductor" else torch.compile(model, backend="piecewise")
-        step(ids, 0)
-        synchronize(device)
-        seconds = time.perf_counter() - start
-    from torch._dynamo.utils import compile_times, counters
-
-    inductor = counters["inductor"]  # graphs Inductor compiled or loaded from its cache
-    graphs = sum(inductor.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit", "fxgraph_cache_bypass"))
-    row = {
-        "seconds": round(seconds, 3),
-        "inductor_graphs": graphs,
-        "fxgraph_cache_hits": inductor.get("fxgraph_cache_hit", 0),
-        "phases_s": _top_phases(*compile_times(repr="csv", aggregate=True)),
-    }
-    if compiling:  # where the time outside Dynamo's compile goes: before it starts, or in the first run
-        row["before_compile_s"] = round(compiling[0] - start, 3)
-        row["compile_s"] = round(compiling[-1] - compiling[0], 3)
-        row["first_run_s"] = round(start + seconds - compiling[-1], 3)
-    if variant == "piecewise":
-        graph = piecewise_backend.compiled_graphs()[-1]
-        row["backend_s"] = {
-            "build": round(graph.stats.build_seconds, 3),
-            "inductor": round(graph.stats.inductor_seconds, 3),
-            "capture": round(graph.stats.capture_seconds, 3),
-        }
-    print(json.dumps(row))
-
-
-def _compile_span() -> list:
-    """perf_counter() at each start and end of a Dynamo compile, appended as they happen."""
-    from torch._dynamo.callback import callback_handler
-
-    stamps: list = []
-    callback_handler.register_start_callback(lambda *_: stamps.append(time.perf_counter()))
-    callback_handler.register_end_callback(lambda *_: stamps.append(time.perf_counter()))
-    return stamps
-
-
-def _top_phases(names: list, values: list, n: int = 10) -> dict:
-    """Dynamo's own compile-time metrics (``dynamo_timed``), the ``n`` largest, in seconds."""
-    pairs = sorted(((float(v), k) for k, v in zip(names, values)), reverse=True)[:n]
-    return {k: round(v, 3) for v, k in pairs}
-
-
-def startup_rows(args, device: str, rows: list) -> list[dict]:
-    for variant in ("inductor", "piecewise"):
-        with tempfile.TemporaryDirectory() as cache:
-            env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
-            for start in ("cold", "warm"):
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    __spec__.name,
-                    "--first-output",
-                    variant,
-                    "--models",
-                    args.models[0],
-                    "--device",
-                    device,
-                ]
-                row = {"model": args.models[0], "variant": variant, "start": start}
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-                try:
-                    row.update(json.loads(proc.stdout.strip().splitlines()[-1]))
-                except Exception:
-                    row["error"] = (proc.stderr or proc.stdout)[-500:]
-                print(json.dumps(row), flush=True)
-                rows.append(row)
-                _save(args)
-    return rows
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out")
-    parser.add_argument("--models", nargs="+", default=["16L", "28L"], choices=sorted(MODELS) + sorted(IDIOMS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+def options(parser) -> None:
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--backends", default=",".join(v for v in VARIANTS if "+" not in v), help="comma-separated")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=1,
-        help="> 1: compile every variant first, then time them in turn, this many rounds",
-    )
+    parser.add_argument("--rounds", type=int, default=1, help="> 1: compile every backend, then time them in turns")
     parser.add_argument("--pause", type=float, default=0.0, help="seconds between interleaved rounds")
-    parser.add_argument(
-        "--settle",
-        type=float,
-        default=0.0,
-        help="seconds a timed run may wait for the host to run at full speed (settled_probe)",
-    )
+    parser.add_argument("--settle", type=float, default=0.0, help="seconds a run may wait for the host's full speed")
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--startup", action="store_true", help="also time cold and warm starts")
-    parser.add_argument("--first-output", choices=("inductor", "piecewise"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.first_output:
-        return first_output(args.first_output, args.models[0], args.device)
-    _RESULT["decode"] = []
-    if args.startup:  # first: fresh processes, before this one fills the GPU with models
-        startup_rows(args, args.device, _RESULT.setdefault("startup", []))
-    decode_rows(args, args.device, _RESULT["decode"])
-    _save(args)
 
 
-if __name__ == "__main__":
-    main()
+SUITE = Suite(
+    name="decode",
+    about="decode step time of toy Llamas per backend, against the step as one CUDA graph (the limit)",
+    variants=(*MODELS, *IDIOMS),
+    default=("16L", "28L"),
+    run=rows,
+    options=options,
+    smoke=(
+        "--variants",
+        "tiny",
+        "--batches",
+        "1,3",
+        "--backends",
+        "eager,piecewise",
+        "--steps",
+        "6",
+        "--prompt",
+        "8",
+        "--device",
+        "cpu",
+    ),  # fmt: skip
+)

@@ -1,8 +1,19 @@
-"""Lazy capture inside a live process: another thread's CUDA work during captures, concurrent callers.
+"""Suite ``reliability``: outputs against eager under random models (``fuzz``) and lazy capture inside a
+live process (``cuda-tests``: ``pytest -m cuda`` over ``--tests`` (its counts and the transformers it ran with).
 
-    python -m benchmarks.threads --out threads.json [--calls 200] [--concurrent 400] [--capture-modes]
-    python -m benchmarks.threads --out /tmp/t.json --device cpu --calls 20 --concurrent 40   # smoke test
+``threads``: another thread's CUDA work during captures, concurrent callers).
 
+    python -m benchmarks reliability [--variants fuzz,threads] [--calls 200] [--concurrent 400] [--capture-modes]
+    python -m benchmarks reliability --smoke      # CPU: graphs emulated, a few calls and models
+
+``fuzz``: ``tests/fuzz`` (its ``__main__`` says what it checks): random models compiled with the
+backend beside their eager twins, step by step, with a neighbour thread beside the whole run
+(``--threads``), then, on a GPU, one model's memory over many replays; ``wrong`` counts every
+output, buffer or view that differs from eager's.
+
+``cuda-tests``: ``pytest -m cuda`` over ``--tests`` (its counts and the transformers it ran with).
+
+``threads``:
 The model is transformers' ``LlamaForCausalLM`` (4 layers, hidden 256, random weights, fp32), its
 ``forward`` compiled with ``backend="piecewise"`` and the batch marked dynamic, prompts of 8 tokens.
 
@@ -24,14 +35,13 @@ The model is transformers' ``LlamaForCausalLM`` (4 layers, hidden 256, random we
 as it was before (torch's default ``"global"`` capture error mode, the default generator registered
 with every graph), with ``"thread_local"`` mode alone, and with ``"aside"`` (thread-local, the
 default generator's state set aside for ``capture_begin``: the capture of pieces that draw nothing
-before ``runtime/_torch_internals.RawGraph``): the evidence for what each part removes.
+before ``_torch_internals.cuda_capture.RawGraph``): the evidence for what each part removes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 import random
 import statistics
 import subprocess
@@ -39,9 +49,11 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 
+from benchmarks.harness import PREFIX, Suite
 from toys.neighbour import Neighbour
 
 TOKENS = 8
@@ -229,25 +241,14 @@ def single_thread_overhead_us(device: str, rounds: int = 9, calls: int = 200_000
 
 def _run_child(mode: str, args) -> dict:
     """The background scenario with an older capture, in a process of its own (``--as-mode``)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        __spec__.name,
-        "--as-mode",
-        mode,
-        "--calls",
-        str(args.calls),
-        "--device",
-        args.device,
-        "--out",
-        "-",
-    ]
+    cmd = [sys.executable, "-m", "benchmarks", "reliability", "--as-mode", mode, "--calls", str(args.calls),
+           "--device", args.device, "--child", "threads", "--work", args.work]  # fmt: skip
     try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.child_timeout} s"}
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    return json.loads(lines[-1]) if lines else {"error": done.stderr[-800:]}
+        return {"error": "timed out after 240 s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith(PREFIX)]
+    return json.loads(lines[-1][len(PREFIX) :]) if lines else {"error": done.stderr[-800:]}
 
 
 def _as_mode(mode: str) -> None:
@@ -268,46 +269,103 @@ def _as_mode(mode: str) -> None:
     devices.GeneratorAside.capture_begin = begin
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--calls", type=int, default=200)
-    parser.add_argument("--concurrent", type=int, default=400)
-    parser.add_argument("--capture-modes", action="store_true")
-    parser.add_argument("--child-timeout", type=int, default=240)
-    parser.add_argument("--as-mode", choices=["global", "thread_local", "aside"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    warnings.simplefilter("ignore")
-    if args.device == "cpu":  # the smoke test: CUDA graphs emulated (compiled graphs read it on this thread)
+def threads(args) -> dict:
+    if args.device == "cpu":  # graphs emulated (compiled graphs read it on this thread)
         import piecewise_backend
 
         emulating = piecewise_backend.emulated_graphs()  # kept: a dropped one restores the default at once
         emulating.__enter__()
     if args.as_mode:
         _as_mode(args.as_mode)
-        print(json.dumps(background(args.device, args.calls)))
-        return
-    from benchmarks.record import code_hash
-
-    result = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__}
-    result.update(background(args.device, args.calls))
-    print(json.dumps(result), flush=True)
+        return background(args.device, args.calls)
+    result = background(args.device, args.calls)
     torch._dynamo.reset()
     own = background(args.device, args.calls, own_generator=True)
     result["own_generator"] = {k: v for k, v in own.items() if k.startswith("background_") or k == "failed_captures"}
-    print(json.dumps(result), flush=True)
     torch._dynamo.reset()
     result.update(concurrent(args.device, args.concurrent))
-    print(json.dumps(result), flush=True)
     torch._dynamo.reset()
     result.update(single_thread_overhead_us(args.device))
     if args.capture_modes:
         result["before"] = {mode: _run_child(mode, args) for mode in ("global", "thread_local", "aside")}
-    result["code_hash"] = code_hash()
-    pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result, indent=1))
+    return result
 
 
-if __name__ == "__main__":
-    main()
+def cuda_tests(args) -> dict:
+    """The CUDA tests of ``--tests`` (pytest ``-m cuda``), in this process's environment: passed, failed..."""
+    import xml.etree.ElementTree as ET
+
+    junit = f"{args.work}/cuda-tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}",
+           *args.tests.replace(",", " ").split()]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    suite = ET.parse(junit).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    import transformers
+
+    return {
+        "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
+        "failed": counts["failures"] + counts["errors"],
+        "skipped": counts["skipped"],
+        "selection": f"-m cuda {args.tests}",
+        "transformers": transformers.__version__,
+        "summary": done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else done.stderr[-400:],
+    }
+
+
+def rows(variant: str, args) -> Iterator[dict]:
+    warnings.simplefilter("ignore")
+    if variant == "cuda-tests":
+        yield cuda_tests(args)
+        return
+    if variant == "threads":
+        yield threads(args)
+        return
+    from tests.fuzz.__main__ import run
+
+    out = run(args)
+    yield {**out, "failures": out["failures"][:10]}
+
+
+def options(parser) -> None:
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--calls", type=int, default=200, help="threads: calls beside the background thread")
+    parser.add_argument("--concurrent", type=int, default=400, help="threads: calls of two threads at once")
+    parser.add_argument("--capture-modes", action="store_true", help="threads: the capture as it was, per mode")
+    parser.add_argument("--as-mode", choices=["global", "thread_local", "aside"], help=argparse.SUPPRESS)
+    parser.add_argument("--tests", default="tests/", help="cuda-tests: the test files (comma-separated)")
+    from tests.fuzz.__main__ import options as fuzz_options
+
+    fuzz_options(parser)
+
+
+SUITE = Suite(
+    name="reliability",
+    about="outputs against eager: random models (fuzz), lazy capture beside other threads (threads), the CUDA tests",
+    variants=("fuzz", "threads", "cuda-tests"),
+    default=("fuzz", "threads"),
+    run=rows,
+    options=options,
+    smoke=(
+        "--device",
+        "cpu",
+        "--calls",
+        "12",
+        "--concurrent",
+        "16",
+        "--models",
+        "2",
+        "--steps",
+        "6",
+        "--max-batch",
+        "20",
+        "--replays",
+        "0",
+        "--concurrent-models",
+        "1",
+        "--concurrent-calls",
+        "8",
+    ),  # fmt: skip
+    timeout=900,
+)

@@ -1,20 +1,21 @@
-"""A Hugging Face model under its own tensor-parallel plan (``tp_plan="auto"``), compiled with the backend.
+"""Suite ``tensor-parallel``: a Hugging Face model under its own tensor-parallel plan (``tp_plan="auto"``),
+compiled with the backend, on two GPUs (NCCL), or two CPU processes (gloo, graphs emulated) with ``--smoke``.
 
-    torchrun --standalone --nproc-per-node 2 benchmarks/hf_tensor_parallel.py --out tp.json \\
-        [--model llama-28L-1.5b] [--batches 1 4] [--tokens 32] [--dtype bfloat16] \\
-        [--variants eager compile-default piecewise-static piecewise-dynamic]
-    torchrun --standalone --nproc-per-node 2 benchmarks/hf_tensor_parallel.py --out /tmp/tp.json \\
-        --model tiny --dtype float32 --variants eager piecewise-static --emulate   # CPU, gloo (a test runs it)
+    python -m benchmarks tensor-parallel [--variants llama-28L-1.5b] [--batches 1,4] [--tokens 32] [--dtype bfloat16]
+    python -m benchmarks tensor-parallel --smoke      # CPU: two gloo ranks, the tiny Llama, fp32
 
-Rank 0 saves a model with random weights (``hf_generate.py``'s model keys) to a folder every rank
+The suite's child starts ``torchrun --standalone --nproc-per-node N -m benchmarks.tensor_parallel`` (this
+module's ``main``, one process per rank) and hands on rank 0's rows.
+
+Rank 0 saves a model with random weights (``hf.py``'s model keys) to a folder every rank
 reads; each rank loads it with ``from_pretrained(folder, tp_plan="auto")``, transformers' own plan
 (its row-parallel linears all-reduce through ``torch.distributed``, which Dynamo traces into the
-graph's collectives). Per variant (``hf_generate.prepare``) and batch: ``generate()`` greedy, ms
-between decode steps (``hf_generate.measure``), and the tokens against one process running the
+graph's collectives). Per variant (``hf.prepare``) and batch: ``generate()`` greedy, ms
+between decode steps (``hf.measure``), and the tokens against one process running the
 whole model eagerly (rank 0, no ``tp_plan``): ``token_agreement`` (in fp32 it must be 1.0; in bf16
 a near-tied logit of random weights may flip, so ``--agreement-from`` takes an fp32 run's). Rank 0
 writes the rows ``{model, params, batch, variant, dtype, token_agreement, ms_per_token,
-speedup_vs_eager, ...}``; ``record_tensor_parallel.py`` stamps them (``run_device.sh tp-hf``).
+speedup_vs_eager, ...}``.
 Every rank calls ``piecewise_backend.release_graphs()`` before ``destroy_process_group()`` (the
 README says why).
 """
@@ -26,15 +27,19 @@ import json
 import os
 import pathlib
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import transformers
 
 import piecewise_backend
-from benchmarks import hf_generate
+from benchmarks import hf
+from benchmarks.harness import Suite
 from toys.parallel import MULTICAST_OFF
 
 
@@ -49,7 +54,7 @@ def _save_random_model(key: str, folder: str) -> int:
     """Rank 0 writes ``key``'s model (random weights, fixed seed) to ``folder``; its parameter count."""
     params = [0]
     if dist.get_rank() == 0:
-        model = hf_generate.build_model(key, "cpu", torch.float32)
+        model = hf.build_model(key, "cpu", torch.float32)
         params[0] = sum(p.numel() for p in model.parameters())
         model.save_pretrained(folder)
         model.generation_config.save_pretrained(folder)
@@ -72,7 +77,7 @@ def _reference_tokens(folder: str, dtype: torch.dtype, device: str, prompts: dic
     if dist.get_rank() != 0:
         return {}
     model = _load(folder, dtype, device, tp=False)
-    out = {batch: hf_generate.run(model, ids, tokens, {})[0].cpu() for batch, ids in prompts.items()}
+    out = {batch: hf.run(model, ids, tokens, {})[0].cpu() for batch, ids in prompts.items()}
     del model
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -112,9 +117,9 @@ def main() -> None:
         folder = _shared_folder(device)
         params = _save_random_model(args.model, folder)
         dist.barrier()
-        cfg, _, name, layers = hf_generate.model_config(args.model)
+        cfg, _, name, layers = hf.model_config(args.model)
         torch.manual_seed(1)  # the same prompts on every rank
-        prompts = {b: torch.randint(3, cfg.vocab_size, (b, hf_generate.PROMPT)).to(device) for b in args.batches}
+        prompts = {b: torch.randint(3, cfg.vocab_size, (b, hf.PROMPT)).to(device) for b in args.batches}
         reference = _reference_tokens(folder, dtype, device, prompts, args.tokens)
         dist.barrier()
         model = _load(folder, dtype, device, tp=True)
@@ -135,7 +140,7 @@ def main() -> None:
         }
         with piecewise_backend.emulated_graphs(args.emulate and device == "cpu"):  # compiled and first called in it
             for variant in args.variants:
-                kwargs = hf_generate.prepare(variant, model, eager_forward)
+                kwargs = hf.prepare(variant, model, eager_forward)
                 for batch, ids in prompts.items():
                     rows.append(
                         _row(
@@ -180,9 +185,9 @@ def _agreement_from(row: dict, checked: dict) -> None:
 def _row(row: dict, model, ids, kwargs: dict, reference: torch.Tensor | None, eager_ms: dict) -> dict:
     """One variant at one batch: ms per token, its speed-up over eager TP, and (rank 0) its tokens
     against the whole model's; a row that raises says why (the other rows still run)."""
-    start, calls_before = time.perf_counter(), hf_generate.graph_calls()
+    start, calls_before = time.perf_counter(), hf.graph_calls()
     try:
-        out, ms, _ = hf_generate.measure(model, ids, row["tokens"], kwargs)
+        out, ms, _ = hf.measure(model, ids, row["tokens"], kwargs)
     except Exception as exc:
         return {**row, "error": f"{type(exc).__name__}: {exc}"[:800]}
     row.update(seconds=round(time.perf_counter() - start, 1), ms_per_token=round(ms, 3))
@@ -191,11 +196,56 @@ def _row(row: dict, model, ids, kwargs: dict, reference: torch.Tensor | None, ea
     if row["batch"] in eager_ms:
         row["speedup_vs_eager"] = round(eager_ms[row["batch"]] / ms, 2)
     if reference is not None:
-        row["token_agreement"] = hf_generate.token_agreement(out, reference)
+        row["token_agreement"] = hf.token_agreement(out, reference)
     if "piecewise" in row["variant"]:
-        row.update(hf_generate.piecewise_facts(calls_before))
+        row.update(hf.piecewise_facts(calls_before))
         row["graphs_with_collectives"] = sum(g.agreement is not None for g in piecewise_backend.compiled_graphs())
     return row
+
+
+def rows(variant: str, args) -> Iterator[dict]:
+    """In the suite's child: the ranks under torchrun, then rank 0's rows."""
+    out = os.path.join(args.work, f"tp-{variant}.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.ranks}", "-m", "benchmarks.tensor_parallel",
+           "--out", out, "--model", variant, "--dtype", args.dtype, "--tokens", str(args.tokens),
+           "--batches", *args.batches.split(","), "--variants", *args.backends.split(",")]  # fmt: skip
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""} if args.smoke else None
+    done = subprocess.run([*cmd, *(["--emulate"] if args.smoke else [])], capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"torchrun exited {done.returncode}: {done.stderr[-1500:]}")
+    result = json.loads(pathlib.Path(out).read_text())
+    for row in result["hf"]:
+        yield {**row, "transformers": result["transformers"]}
+
+
+def options(parser) -> None:
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--batches", default="1,4")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--backends", default="eager,compile-default,piecewise-static,piecewise-dynamic")
+
+
+SUITE = Suite(
+    name="tensor-parallel",
+    about="a Hugging Face model under tp_plan='auto' on two GPUs: tokens against one process, ms per token",
+    variants=("llama-28L-1.5b", "tiny"),
+    default=("llama-28L-1.5b",),
+    run=rows,
+    options=options,
+    smoke=(
+        "--variants",
+        "tiny",
+        "--dtype",
+        "float32",
+        "--batches",
+        "3",
+        "--tokens",
+        "6",
+        "--backends",
+        "eager,piecewise-static",
+    ),  # fmt: skip
+)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
-"""Hugging Face ``generate()`` per token: eager, torch.compile's paths and this backend, side by side.
+"""Suite ``hf``: Hugging Face ``generate()`` per token: eager, torch.compile's paths and this backend,
+side by side.
 
-    python -m benchmarks.hf_generate --out hf.json [--models 8L-512 1B] [--batches 1 4 16] [--tokens 64] [--rounds 3]
-    python -m benchmarks.hf_generate --out /tmp/hf.json --device cpu --models tiny --batches 2 --tokens 8
-    python -m benchmarks.hf_generate --out hf.json --dtype bfloat16 --models qwen3-4L-512 phi3-28L-1.5b gemma3-4L-512
+    python -m benchmarks hf [--variants 8L-512,1B] [--batches 1,4,16] [--tokens 64] [--rounds 3]
+    python -m benchmarks hf --smoke             # CPU: the tiny Llama, batch 2, 8 tokens
+    python -m benchmarks hf --dtype bfloat16 --variants qwen3-4L-512,phi3-28L-1.5b,gemma3-4L-512
+
+The suite's variants are the models (one child process each); the ways of running ``generate()``
+(``--backends``) are timed in turns in the model's process, and each row names its way.
 
 Models: Llama shapes by name (``8L-512``, ``1B``, ``tiny``), or ``ARCH-NL-DIMS``: Llama, Qwen2, Qwen3,
 Phi-3 or Gemma 3 at N layers with the widths of ``512`` (hidden 512) or ``1.5b`` (Qwen2.5-1.5B's).
@@ -20,7 +24,7 @@ machine drifts by more than the gap between the fastest variants (transformers' 
 reduce-overhead against this backend's static cache: 7% slower on one lease, 28% faster on the
 next); interleaved, a slow spell hits every variant. Each round recompiles from Inductor's caches.
 
-Variants (each after ``torch._dynamo.reset()``, so none is served another's compiled code):
+Backends (each after ``torch._dynamo.reset()``, so none is served another's compiled code):
 
 * ``eager`` / ``eager-static``: no compile; HF's default dynamic cache / ``cache_implementation="static"``
 * ``compile-default``: ``model.forward = torch.compile(model.forward)`` (Inductor, default mode)
@@ -30,23 +34,21 @@ Variants (each after ``torch._dynamo.reset()``, so none is served another's comp
 * ``piecewise-dynamic`` / ``piecewise-static``: ``torch.compile(model.forward, backend="piecewise")``
 * ``piecewise-compile-config``: the static cache with ``CompileConfig(backend="piecewise")``
 
-A row that fails records ``error`` instead of timings. Rows are saved as they are measured.
+A row that fails records ``error`` instead of timings. Rows come as their last round is measured.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import pathlib
 import statistics
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 
 import torch
 import transformers
 
-from benchmarks.record import code_hash
+from benchmarks.harness import Suite
 
 MODELS = {
     # the configuration of the issue: 8 layers, hidden 512, GQA
@@ -105,6 +107,9 @@ ARCHS = {  # config class, model class, what the architecture adds
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"sliding_window": 512}),  # 5 sliding layers : 1 full
     "granite": ("GraniteConfig", "GraniteForCausalLM", {}),  # multipliers on embeddings, residuals, logits
 }
+
+
+ARCHITECTURE_MODELS = tuple(f"{arch}-{n}L-{dims}" for arch in ARCHS for n, dims in ((4, "512"), (28, "1.5b")))
 
 
 def model_config(key: str):
@@ -265,19 +270,18 @@ def bench_model(
     batches,
     tokens: int,
     variants,
-    rows: list,
-    save,
     device: str,
     rounds: int = 1,
     dtype: torch.dtype = torch.float32,
-) -> None:
+) -> Iterator[dict]:
+    """The model's rows, each once its last round is measured (or it failed)."""
     model = build_model(key, device, dtype)
     eager_forward = model.forward
     g = torch.Generator().manual_seed(0)
     prompts = {b: torch.randint(3, model.config.vocab_size, (b, PROMPT), generator=g).to(device) for b in batches}
     reference: dict = {}  # batch -> eager's tokens
     by_key: dict = {}  # (variant, batch) -> row
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for variant in variants:
             try:
                 kwargs, failure = prepare(variant, model, eager_forward), None
@@ -287,12 +291,11 @@ def bench_model(
                 row = by_key.get((variant, batch))
                 if row is None:
                     row = by_key[variant, batch] = _new_row(key, model, kwargs, batch, variant, tokens, rounds)
-                    rows.append(row)
                 elif "error" in row:
                     continue
                 _measure_row(row, model, prompts[batch], kwargs, failure, reference, by_key)
-                print(json.dumps(row), flush=True)
-                save()
+                if round_ == rounds - 1 or "error" in row:
+                    yield row
     model.forward = eager_forward
 
 
@@ -337,43 +340,43 @@ def _measure_row(row: dict, model, ids, kwargs: dict, failure: str | None, refer
         traceback.print_exc()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", nargs="+", default=["8L-512", "1B"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16])
+def rows(variant: str, args) -> Iterator[dict]:
+    """In the child: the model ``variant``'s rows (eager's first: the reference for agreement)."""
+    backends = args.backends.split(",")
+    backends = backends if "eager" in backends else ["eager", *backends]
+    batches = [int(b) for b in str(args.batches).split(",")]
+    for row in bench_model(
+        variant, batches, args.tokens, backends, args.device, args.rounds, getattr(torch, args.dtype)
+    ):
+        yield {**row, "transformers": transformers.__version__}
+
+
+def options(parser) -> None:
+    parser.add_argument("--batches", default="1,4,16")
     parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--rounds", type=int, default=1, help="interleave the variants, N rounds (see above)")
+    parser.add_argument("--backends", default=",".join(VARIANTS), help="comma-separated")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--rounds", type=int, default=1, help="interleave the backends, N rounds (see above)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    args = parser.parse_args()
-    if "eager" not in args.variants:
-        args.variants = ["eager", *args.variants]
-    rows: list = []
-    meta = {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
-        "code_hash": code_hash(),
-    }
-
-    def save():
-        pathlib.Path(args.out).write_text(json.dumps({**meta, "hf": rows}, indent=1) + "\n")
-
-    for key in args.models:
-        bench_model(
-            key,
-            args.batches,
-            args.tokens,
-            args.variants,
-            rows,
-            save,
-            args.device,
-            args.rounds,
-            getattr(torch, args.dtype),
-        )
 
 
-if __name__ == "__main__":
-    main()
+SUITE = Suite(
+    name="hf",
+    about="Hugging Face generate() ms per token: eager, torch.compile's routes and this backend",
+    variants=tuple(MODELS) + ARCHITECTURE_MODELS,
+    default=("8L-512", "1B"),
+    run=rows,
+    options=options,
+    smoke=(
+        "--variants",
+        "tiny",
+        "--batches",
+        "2",
+        "--tokens",
+        "8",
+        "--device",
+        "cpu",
+        "--backends",
+        "eager,piecewise-dynamic",
+    ),  # fmt: skip
+)

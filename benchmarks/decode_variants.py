@@ -1,6 +1,9 @@
-"""The suite's variants: how each backend a user would pick is compiled, warmed up and timed.
+"""The decode suite's models and variants: the toy Llamas at the benchmark sizes (and the same sizes in
+another idiom), and how each backend a user would pick is compiled, warmed up and timed.
 
-``VARIANTS`` names them (the list and what each is: ``suite.py``'s docstring);
+``MODELS`` and ``IDIOMS`` name the models (the suite's variants: one child process each);
+:func:`toy_model` builds one with the weights every benchmark compares on, :func:`models_for` a model
+with its graph-safe twin. ``VARIANTS`` names the backends (what each is: ``decode.py``'s docstring);
 :func:`prepared_variant` compiles one at a batch and returns how to time it. ``limit`` is the step
 captured whole in one CUDA graph (:func:`limit_graph`), ``dynamo-floor`` Dynamo's entry around it
 (:func:`floor_backend`).
@@ -14,9 +17,74 @@ import time
 import torch
 
 import piecewise_backend
-from benchmarks.plot import PINNED, base_variant
 from benchmarks.timing import HostTimed, pipelined_decode_ms, replay_ms, time_decode
-from toys.models import reset_caches, sdpa_backends
+from toys.idioms import WholeCacheLlama
+from toys.models import (
+    BENCHMARK_SIZES,
+    ToyConfig,
+    ToyLlama,
+    ToyStaticCacheLlama,
+    init_weights_,
+    next_tokens,
+    reset_caches,
+    sdpa_backends,
+)
+
+PINNED = "+pinned-sdpa"  # suffix: the variant under sdpa_kernel([FLASH, EFFICIENT])
+
+
+def base_variant(variant: str) -> str:
+    """The variant a ``+pinned-sdpa`` twin is of (a variant itself otherwise)."""
+    return variant[: -len(PINNED)] if variant.endswith(PINNED) else variant
+
+
+# -- the models -------------------------------------------------------------------------------------
+
+MODELS = {
+    **BENCHMARK_SIZES,
+    "tiny": dict(vocab=256, hidden=64, layers=2, heads=4, intermediate=128),  # CPU smoke runs
+}
+
+
+# the same sizes, written in an idiom other than the toys' own (``toys/idioms.py``): key -> (size, class)
+IDIOMS = {f"{size}-whole-cache": (size, WholeCacheLlama) for size in ("16L", "28L", "tiny")}
+
+
+def toy_model(key: str, device: str, model_cls=ToyLlama, **sizes):
+    """``model_cls`` at ``MODELS[key]`` (``sizes`` override or add config fields), with the
+    deterministic weights every benchmark compares on: bf16 on a GPU, fp32 on a CPU."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    return init_weights_(model_cls(ToyConfig(**{**MODELS[key], **sizes}))).to(device=device, dtype=dtype).eval()
+
+
+def next_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Greedy next tokens, their batch dim marked dynamic (one decode graph for every batch size)."""
+    return next_tokens(logits, mark_batch_dynamic=True)
+
+
+def model_name(model) -> str:
+    idiom = getattr(model, "idiom", None)
+    return f"llama-{model.cfg.layers}L-{model.cfg.hidden}" + (f"-{idiom}" if idiom else "")
+
+
+def models_for(key: str, args, device: str):
+    """The model sized for the run, and its graph-safe twin with the same weights."""
+    if key in IDIOMS:  # no graph-safe twin: the full-static variants are the toys' own
+        size, cls = IDIOMS[key]
+        return toy_model(size, device, cls, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8), None
+    model = toy_model(key, device, max_batch=max(args.batches), max_seq=args.prompt + args.steps + 8)
+    twin = toy_model(key, device, ToyStaticCacheLlama, max_batch=model.cfg.max_batch, max_seq=model.cfg.max_seq)
+    twin.load_state_dict(model.state_dict())
+    return model, twin
+
+
+def size_caches(model, batch: int) -> None:
+    """A model whose caches hold exactly the batch (``toys/idioms.py``) gets new ones per batch."""
+    if hasattr(model, "set_batch"):
+        model.set_batch(batch)
+
+
+# -- the backends -----------------------------------------------------------------------------------
 
 BASE_VARIANTS = (
     "eager",

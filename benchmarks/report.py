@@ -1,0 +1,243 @@
+"""``python -m benchmarks report``: the README's numbers from the results files, never by hand.
+
+For each suite and GPU, the rows at the newest code hash recorded for that suite on that GPU (the
+last recorded: ``harness.record`` appends), with the hash, GPU and torch printed beside them. Writes
+each block between ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->``: in the README the headline
+table (``numbers``), the paged kernel's table (``kernels``) and the start-up line (``startup``); in
+``benchmarks/README.md`` the full current tables (``numbers``); and the figures into ``results/``
+(``--no-figures`` to skip them; they need matplotlib). ``--check`` writes nothing and fails if a
+committed block differs from what the results give (a test runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import re
+
+from benchmarks.harness import RESULTS, ROOT
+
+SUITE_ORDER = ("decode", "serving", "hf", "startup", "kernels", "reliability", "tensor-parallel")
+#: suite -> the figures its table shows (a row's variant comes first)
+COLUMNS = {
+    "decode": ("model", "batch", "step_ms", "vs_limit", "pipelined_vs_limit"),
+    "serving": (
+        "workload",
+        "in_flight",
+        "tpot_median_ms",
+        "ttft_median_ms",
+        "out_tok_s",
+        "decode_step_median_ms",
+        "floor_ms",
+        "vs_floor",
+        "token_agreement",
+    ),  # fmt: skip
+    "hf": ("model", "cache", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),
+    "startup": ("startup_s", "trace_s", "compile_s", "load_s", "capture_s", "triton_compiles", "tpot_median_ms"),
+    "kernels": ("B", "context", "paged_us", "sdpa_us", "floor_us", "vs_sdpa", "vs_floor"),
+    "reliability": (
+        "steps",
+        "wrong",
+        "background_errors",
+        "background_wrong",
+        "concurrent_wrong",
+        "passed",
+        "failed",
+        "selection",
+    ),  # fmt: skip
+    "tensor-parallel": ("model", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),
+}
+
+
+def current(rows: list[dict]) -> dict[str, list[dict]]:
+    """suite -> its rows at the newest code hash recorded for it (the last recorded row's)."""
+    newest = {r["suite"]: r["code_hash"] for r in rows}
+    return {s: [r for r in rows if r["suite"] == s and r["code_hash"] == h] for s, h in newest.items()}
+
+
+def results_files() -> dict[str, list[dict]]:
+    """GPU slug -> its recorded rows (``results/<gpu>.json``)."""
+    return {p.stem: json.loads(p.read_text()).get("rows", []) for p in sorted(RESULTS.glob("*.json"))}
+
+
+def _cell(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    return str(value).replace("|", "/")[:60]
+
+
+def table(suite: str, rows: list[dict]) -> str:
+    columns = [c for c in COLUMNS.get(suite, ()) if any(c in r["figures"] for r in rows)]
+    lines = ["| variant | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for r in rows:
+        cells = [_cell(r["figures"].get(c)) for c in columns]
+        if "error" in r["figures"]:
+            cells = [f"error: {_cell(r['figures']['error'])}"] + [""] * (len(columns) - 1) if columns else []
+        lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _stamp(rows: list[dict]) -> str:
+    r = rows[0]
+    return f"{r['gpu']}, torch {r['torch']}, code hash `{r['code_hash'][:8]}…`"
+
+
+def headline(suite: str, rows: list[dict]) -> str:
+    """One line of what the suite's current rows say."""
+    f = {(r["variant"], *(r["figures"].get(k) for k in ("workload", "in_flight", "B", "context"))): r["figures"]
+         for r in rows}  # fmt: skip
+    if suite == "kernels":
+        k = f.get(("paged", None, None, 64, 1000))
+        if k:
+            return f"B=64, 1,000 keys: {k['paged_us']:.1f} µs; flash SDPA {k['sdpa_us']:.1f}, byte floor {k['floor_us']:.1f}"
+    if suite == "serving":
+        seed, piece = (
+            f.get(("full-and-piecewise", "seed", None, None, None)),
+            f.get(("piecewise", "seed", None, None, None)),
+        )
+        at64 = f.get(("full-and-piecewise", "concurrency", 64, None, None))
+        parts = []
+        if seed and piece:
+            parts.append(f"seed TPOT {seed['tpot_median_ms']:.2f} ms (piecewise {piece['tpot_median_ms']:.2f})")
+        if at64 and at64.get("vs_floor"):
+            parts.append(f"64 in flight: {at64['out_tok_s']:,.0f} tok/s, step {at64['vs_floor']:.2f}× its byte floor")
+        if parts:
+            return "; ".join(parts)
+    if suite == "startup":
+        by = {r["variant"]: r["figures"] for r in rows if "startup_s" in r["figures"]}
+        if "eager" in by:
+            eager = by["eager"]["startup_s"]
+            parts = [f"eager {eager:.1f} s"]
+            for name, label in (("warm", "warm artifact"), ("inductor", "first deploy")):
+                if name in by:
+                    parts.append(f"{label} {by[name]['startup_s']:.1f} s ({by[name]['startup_s'] / eager:.2f}×)")
+            return ", ".join(parts)
+    if suite == "decode":
+        ratios = [
+            r["figures"]["vs_limit"] for r in rows if r["variant"] == "piecewise" and r["figures"].get("vs_limit")
+        ]
+        if ratios:
+            return f"piecewise step {min(ratios):.2f}–{max(ratios):.2f}× the one-graph limit"
+    if suite in ("hf", "tensor-parallel"):
+        ups = [r["figures"]["speedup_vs_eager"] for r in rows if r["variant"].startswith("piecewise")
+               and r["figures"].get("speedup_vs_eager")]  # fmt: skip
+        if ups:
+            return f"piecewise {min(ups):.1f}–{max(ups):.1f}× eager per token"
+    if suite == "reliability":
+        by, parts = {r["variant"]: r["figures"] for r in rows}, []
+        if "fuzz" in by:
+            parts.append(f"fuzz {by['fuzz'].get('steps', 0):,} steps, {by['fuzz'].get('wrong')} wrong")
+        if "threads" in by:
+            t = by["threads"]
+            parts.append(f"threads {t.get('background_errors')} neighbour errors, {t.get('concurrent_wrong')} wrong")
+        if "cuda-tests" in by:
+            parts.append(f"CUDA tests {by['cuda-tests'].get('passed')} passed, {by['cuda-tests'].get('failed')} failed")
+        return "; ".join(parts) or f"{len(rows)} rows"
+    return f"{len(rows)} rows"
+
+
+def numbers_table(files: dict[str, list[dict]]) -> str:
+    lines = ["| suite | GPU | code hash | current numbers |", "| --- | --- | --- | --- |"]
+    for suite in SUITE_ORDER:
+        for slug, rows in files.items():
+            now = current(rows).get(suite)
+            if now:
+                lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
+    return "\n".join(lines)
+
+
+def full_tables(files: dict[str, list[dict]]) -> str:
+    parts = []
+    for suite in SUITE_ORDER:
+        for slug, rows in files.items():
+            now = current(rows).get(suite)
+            if now:
+                parts.append(f"#### `{suite}` ({_stamp(now)})\n\n{table(suite, now)}")
+    return "\n\n".join(parts)
+
+
+def _newest(files: dict[str, list[dict]], suite: str) -> list[dict]:
+    """The suite's current rows on the GPU that recorded it last (by file order: h100, h200)."""
+    found = [now for rows in files.values() if (now := current(rows).get(suite))]
+    return found[-1] if found else []
+
+
+def kernels_table(files: dict[str, list[dict]]) -> str:
+    """The paged kernel beside flash SDPA and the byte floor, 1,000 keys a row (the README's engine section)."""
+    rows = [
+        r for r in _newest(files, "kernels") if r["figures"].get("context") == 1000 and r["figures"].get("paged_us")
+    ]
+    if not rows:
+        return "(not measured yet: `python -m benchmarks kernels`)"
+    lines = [f"µs a call, 1,000 keys a row ({_stamp(rows)}):", "", "| rows | kernel | flash SDPA | bytes / bandwidth |",
+             "| ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for r in rows:
+        f = r["figures"]
+        lines.append(f"| {f['B']} | {_cell(f['paged_us'])} | {_cell(f['sdpa_us'])} | {_cell(f['floor_us'])} |")
+    return "\n".join(lines)
+
+
+def startup_line(files: dict[str, list[dict]]) -> str:
+    rows = _newest(files, "startup")
+    if not rows:
+        return "(not measured yet: `python -m benchmarks startup`)"
+    return f"{headline('startup', rows)} ({_stamp(rows)})."
+
+
+#: file -> block name -> what writes it
+BLOCKS = {
+    "README.md": {"numbers": numbers_table, "kernels": kernels_table, "startup": startup_line},
+    "benchmarks/README.md": {"numbers": full_tables},
+}
+
+
+def replace_block(text: str, name: str, body: str, path: str) -> str:
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    if begin not in text or end not in text:
+        raise SystemExit(f"report: {path} has no {begin} ... {end} block to write into")
+    return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", text, flags=re.S)
+
+
+def figures(files: dict[str, list[dict]]) -> list[pathlib.Path]:
+    """The serving suite's TPOT figure per GPU (the seed's vLLM numbers beside it)."""
+    from benchmarks.serving import figure
+
+    written = []
+    for slug, rows in files.items():
+        now = current(rows).get("serving")
+        if now and any(r["figures"].get("workload") == "seed" for r in now):
+            figure(now, RESULTS / f"{slug}_seed_tpot.png")
+            written.append(RESULTS / f"{slug}_seed_tpot.png")
+    return written
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks report", description=__doc__)
+    parser.add_argument("--check", action="store_true", help="fail if a committed table is not what this writes")
+    parser.add_argument("--no-figures", action="store_true")
+    args = parser.parse_args(argv)
+    files = results_files()
+    stale = []
+    for name, blocks in BLOCKS.items():
+        path = ROOT / name
+        text = new = path.read_text()
+        for block, write in blocks.items():
+            new = replace_block(new, block, write(files), name)
+        if new != text:
+            stale.append(name)
+            if not args.check:
+                path.write_text(new)
+    if args.check:
+        if stale:
+            raise SystemExit(
+                f"report: {', '.join(stale)} differ from the results files; run python -m benchmarks report"
+            )
+        return
+    if not args.no_figures:
+        stale += [p.relative_to(ROOT).as_posix() for p in figures(files)]
+    print("written: " + (", ".join(stale) or "nothing changed"))
