@@ -297,7 +297,7 @@ def cuda_tests(args) -> dict:
 
     junit = f"{args.work}/cuda-tests.xml"
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *args.tests.replace(",", " ").split()]  # fmt: skip
+           *(["-k", args.tests_k] if args.tests_k else []), *args.tests.replace(",", " ").split()]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True)
     suite = ET.parse(junit).getroot()
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
@@ -308,7 +308,7 @@ def cuda_tests(args) -> dict:
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
         "failed": counts["failures"] + counts["errors"],
         "skipped": counts["skipped"],
-        "selection": f"-m cuda {args.tests}",
+        "selection": f"-m cuda {args.tests}" + (f" -k '{args.tests_k}'" if args.tests_k else ""),
         "transformers": transformers.__version__,
         "summary": done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else done.stderr[-400:],
     }
@@ -335,6 +335,7 @@ def options(parser) -> None:
     parser.add_argument("--capture-modes", action="store_true", help="threads: the capture as it was, per mode")
     parser.add_argument("--as-mode", choices=["global", "thread_local", "aside"], help=argparse.SUPPRESS)
     parser.add_argument("--tests", default="tests/", help="cuda-tests: the test files (comma-separated)")
+    parser.add_argument("--tests-k", default="", help="cuda-tests: pytest's -k expression")
     from tests.fuzz.__main__ import options as fuzz_options
 
     fuzz_options(parser)
