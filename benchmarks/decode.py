@@ -279,25 +279,8 @@ def options(parser) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
 
 
-SUITE = Suite(
-    name="decode",
-    about="decode step time of toy Llamas per backend, against the step as one CUDA graph (the limit)",
-    variants=(*MODELS, *IDIOMS),
-    default=("16L", "28L"),
-    run=rows,
-    options=options,
-    smoke=(
-        "--variants",
-        "tiny",
-        "--batches",
-        "1,3",
-        "--backends",
-        "eager,piecewise",
-        "--steps",
-        "6",
-        "--prompt",
-        "8",
-        "--device",
-        "cpu",
-    ),  # fmt: skip
-)
+# fmt: off
+SUITE = Suite("decode", "decode step time of toy Llamas per backend, against the step as one CUDA graph (the limit)",
+              (*MODELS, *IDIOMS), rows, options, default=("16L", "28L"),
+              smoke="--variants tiny --batches 1,3 --backends eager,piecewise --steps 6 --prompt 8 --device cpu".split())
+# fmt: on

@@ -48,7 +48,7 @@ class Suite:
     variants: tuple[str, ...]
     run: Callable[[str, argparse.Namespace], Iterator[dict]]
     options: Callable[[argparse.ArgumentParser], None] = lambda parser: None
-    smoke: tuple[str, ...] = ()
+    smoke: list[str] | tuple[str, ...] = ()
     default: tuple[str, ...] = ()  # the variants a plain run runs (all if empty)
     fresh_caches: bool = False  # each child starts with empty Inductor and Triton caches (a cold start)
     env: Callable[[str, argparse.Namespace], dict] = lambda variant, args: {}  # a child's more environment

@@ -50,35 +50,14 @@ import transformers
 
 from benchmarks.harness import Suite
 
-MODELS = {
-    # the configuration of the issue: 8 layers, hidden 512, GQA
-    "8L-512": dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=32000,
-    ),
-    # a smoke test's size (``--device cpu``)
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=256,
-    ),
-    # TinyLlama-1.1B's shape (1.1e9 parameters), random weights
-    "1B": dict(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=22,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        vocab_size=32000,
-    ),
+# fmt: off
+MODELS = {  # Llama shapes by name
+    "8L-512": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, vocab_size=32000),  # the configuration of the issue: 8 layers, hidden 512, GQA
+    "4L-256": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=1024),  # the reliability suite's threads model
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, vocab_size=256),  # a smoke test's size (``--device cpu``)
+    "1B": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4, vocab_size=32000),
 }
+# fmt: on
 # ``ARCH-NL-DIMS`` model keys (``qwen3-4L-512``, ``gemma3-28L-1.5b``): an architecture, a depth, and
 # the widths of one of these (``1.5b``: Qwen2.5-1.5B's)
 DIMS = {
@@ -360,23 +339,8 @@ def options(parser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
-SUITE = Suite(
-    name="hf",
-    about="Hugging Face generate() ms per token: eager, torch.compile's routes and this backend",
-    variants=tuple(MODELS) + ARCHITECTURE_MODELS,
-    default=("8L-512", "1B"),
-    run=rows,
-    options=options,
-    smoke=(
-        "--variants",
-        "tiny",
-        "--batches",
-        "2",
-        "--tokens",
-        "8",
-        "--device",
-        "cpu",
-        "--backends",
-        "eager,piecewise-dynamic",
-    ),  # fmt: skip
-)
+# fmt: off
+SUITE = Suite("hf", "Hugging Face generate() ms per token: eager, torch.compile's routes and this backend",
+              tuple(MODELS) + ARCHITECTURE_MODELS, rows, options, default=("8L-512", "1B"),
+              smoke="--variants tiny --batches 2 --tokens 8 --device cpu --backends eager,piecewise-dynamic".split())
+# fmt: on

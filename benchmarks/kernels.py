@@ -175,12 +175,7 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", default="1000,4000")
 
 
-SUITE = Suite(
-    name="kernels",
-    about="the paged decode kernel against flash SDPA on the same keys and the byte floor (µs per call)",
-    variants=("paged", "paged-launches"),
-    default=("paged",),
-    run=rows,
-    options=options,
-    smoke=("--batches", "1,3", "--contexts", "40"),
-)
+# fmt: off
+SUITE = Suite("kernels", "the paged decode kernel against flash SDPA on the same keys and the byte floor (µs per call)",
+              ("paged", "paged-launches"), rows, options, default=("paged",), smoke="--batches 1,3 --contexts 40".split())
+# fmt: on

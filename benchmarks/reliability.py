@@ -60,19 +60,9 @@ TOKENS = 8
 
 
 def build_model(device: str):
-    import transformers
+    from benchmarks import hf
 
-    cfg = transformers.LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=256,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(cfg).to(device).eval()
+    return hf.build_model("4L-256", device)
 
 
 def compiled_forward(model):
@@ -341,32 +331,9 @@ def options(parser) -> None:
     fuzz_options(parser)
 
 
-SUITE = Suite(
-    name="reliability",
-    about="outputs against eager: random models (fuzz), lazy capture beside other threads (threads), the CUDA tests",
-    variants=("fuzz", "threads", "cuda-tests"),
-    default=("fuzz", "threads"),
-    run=rows,
-    options=options,
-    smoke=(
-        "--device",
-        "cpu",
-        "--calls",
-        "12",
-        "--concurrent",
-        "16",
-        "--models",
-        "2",
-        "--steps",
-        "6",
-        "--max-batch",
-        "20",
-        "--replays",
-        "0",
-        "--concurrent-models",
-        "1",
-        "--concurrent-calls",
-        "8",
-    ),  # fmt: skip
-    timeout=900,
-)
+# fmt: off
+SUITE = Suite("reliability", "outputs against eager: random models (fuzz), capture beside other threads (threads), CUDA tests",
+              ("fuzz", "threads", "cuda-tests"), rows, options, default=("fuzz", "threads"), timeout=900,
+              smoke=("--device cpu --calls 12 --concurrent 16 --models 2 --steps 6 --max-batch 20 --replays 0 "
+                     "--concurrent-models 1 --concurrent-calls 8").split())
+# fmt: on

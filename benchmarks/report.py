@@ -141,23 +141,23 @@ def headline(suite: str, rows: list[dict]) -> str:
     return f"{len(rows)} rows"
 
 
-def numbers_table(files: dict[str, list[dict]]) -> str:
-    lines = ["| suite | GPU | code hash | current numbers |", "| --- | --- | --- | --- |"]
+def _each_current(files: dict[str, list[dict]]):
+    """(suite, GPU slug, its current rows), suites in their order, GPUs in file order."""
     for suite in SUITE_ORDER:
         for slug, rows in files.items():
-            now = current(rows).get(suite)
-            if now:
-                lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
+            if now := current(rows).get(suite):
+                yield suite, slug, now
+
+
+def numbers_table(files: dict[str, list[dict]]) -> str:
+    lines = ["| suite | GPU | code hash | current numbers |", "| --- | --- | --- | --- |"]
+    for suite, slug, now in _each_current(files):
+        lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
     return "\n".join(lines)
 
 
 def full_tables(files: dict[str, list[dict]]) -> str:
-    parts = []
-    for suite in SUITE_ORDER:
-        for slug, rows in files.items():
-            now = current(rows).get(suite)
-            if now:
-                parts.append(f"#### `{suite}` ({_stamp(now)})\n\n{table(suite, now)}")
+    parts = [f"#### `{suite}` ({_stamp(now)})\n\n{table(suite, now)}" for suite, _, now in _each_current(files)]
     return "\n\n".join(parts)
 
 

@@ -371,30 +371,9 @@ def options(parser) -> None:
     parser.add_argument("--agreement-variants", default="full-and-piecewise")
 
 
-SUITE = Suite(
-    name="serving",
-    about="the serving engine: the seed's workload (TTFT, TPOT, ITL) and a concurrency sweep beside its byte floor",
-    variants=VARIANTS,
-    default=("full-and-piecewise", "piecewise"),
-    run=rows,
-    options=options,
-    smoke=(
-        "--device",
-        "cpu",
-        "--config",
-        "tiny",
-        "--requests",
-        "4",
-        "--rate",
-        "0",
-        "--in-flight",
-        "1,3",
-        "--max-num-tokens",
-        "32",
-        "--variants",
-        "full-and-piecewise",
-        "--agreement-variants",
-        "",
-    ),  # fmt: skip
-    timeout=420,
-)
+# fmt: off
+SUITE = Suite("serving", "the serving engine: the seed's workload (TTFT, TPOT, ITL), a concurrency sweep beside its byte floor",
+              VARIANTS, rows, options, default=("full-and-piecewise", "piecewise"), timeout=420,
+              smoke=["--device", "cpu", "--config", "tiny", "--requests", "4", "--rate", "0", "--in-flight", "1,3",
+                     "--max-num-tokens", "32", "--variants", "full-and-piecewise", "--agreement-variants", ""])
+# fmt: on

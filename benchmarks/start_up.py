@@ -307,26 +307,9 @@ def options(parser) -> None:
     parser.add_argument("--profile", type=int, default=0, help="the top N functions of load and warm-up")
 
 
-SUITE = Suite(
-    name="startup",
-    about="the serving engine's start-up per route (eager, Inductor cold, a warm artifact in a fresh container, ...)",
-    variants=VARIANTS,
-    default=("eager", "inductor", "save", "warm"),
-    run=rows,
-    options=options,
-    smoke=(
-        "--device",
-        "cpu",
-        "--config",
-        "tiny",
-        "--requests",
-        "1",
-        "--max-num-tokens",
-        "32",
-        "--variants",
-        "eager,no-inductor",
-    ),  # fmt: skip
-    fresh_caches=True,
-    env=lambda variant, args: triton_compiles.counted_env(os.path.join(args.work, f"triton-compiles-{variant}.log")),
-    timeout=300,
-)
+# fmt: off
+SUITE = Suite("startup", "the serving engine's start-up per route (eager, Inductor cold, a warm artifact in a fresh container...)",
+              VARIANTS, rows, options, default=("eager", "inductor", "save", "warm"), fresh_caches=True, timeout=300,
+              env=lambda variant, args: triton_compiles.counted_env(f"{args.work}/triton-compiles-{variant}.log"),
+              smoke="--device cpu --config tiny --requests 1 --max-num-tokens 32 --variants eager,no-inductor".split())
+# fmt: on

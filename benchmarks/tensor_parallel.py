@@ -226,26 +226,11 @@ def options(parser) -> None:
     parser.add_argument("--backends", default="eager,compile-default,piecewise-static,piecewise-dynamic")
 
 
-SUITE = Suite(
-    name="tensor-parallel",
-    about="a Hugging Face model under tp_plan='auto' on two GPUs: tokens against one process, ms per token",
-    variants=("llama-28L-1.5b", "tiny"),
-    default=("llama-28L-1.5b",),
-    run=rows,
-    options=options,
-    smoke=(
-        "--variants",
-        "tiny",
-        "--dtype",
-        "float32",
-        "--batches",
-        "3",
-        "--tokens",
-        "6",
-        "--backends",
-        "eager,piecewise-static",
-    ),  # fmt: skip
-)
+# fmt: off
+SUITE = Suite("tensor-parallel", "a Hugging Face model under tp_plan='auto' on two GPUs: tokens against one process, ms a token",
+              ("llama-28L-1.5b", "tiny"), rows, options, default=("llama-28L-1.5b",),
+              smoke="--variants tiny --dtype float32 --batches 3 --tokens 6 --backends eager,piecewise-static".split())
+# fmt: on
 
 
 if __name__ == "__main__":

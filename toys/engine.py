@@ -285,7 +285,7 @@ class Layer(nn.Module):
         self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=False)
         # the op's name, not the op: a module attribute is part of what Dynamo guards and torch's AOT
         # route pickles with them, and an op object does not pickle (a global lookup is not guarded);
-        # ``attention``: a function to call instead (a peer's hook, ``benchmarks/peers.py``)
+        # ``attention``: a function to call instead (a hook for a peer without a compiler)
         self.attention_op, self.attention = cfg.attention_op, None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

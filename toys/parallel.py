@@ -190,7 +190,7 @@ def as_rank(work) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """``torchrun --nproc-per-node N -m toys.parallel``: one JSON line per rank (the decode check;
-    ``python -m benchmarks.toy_tensor_parallel`` times the shard)."""
+    ``python -m benchmarks tensor-parallel`` times a Hugging Face model so)."""
     import argparse
 
     argparse.ArgumentParser(prog="python -m toys.parallel").parse_args(argv)
