@@ -18,7 +18,8 @@ for run in "$@"; do
   env=()
   if [[ $rest == WHEELS* ]]; then rest=${rest#WHEELS }; env=(PYTHONPATH=/tmp/site); fi
   echo "== $rest ($seconds s at most, $(( $(date +%s) - T0 )) s in)"
-  env "${env[@]}" timeout "$seconds" python -m benchmarks $rest --out "$OUT/rows.jsonl" 2>> "$OUT/stderr.log" \
+  eval "args=($rest)"  # quotes in an argument hold (--tests-k 'not slow')
+  env "${env[@]}" timeout "$seconds" python -m benchmarks "${args[@]}" --out "$OUT/rows.jsonl" 2>> "$OUT/stderr.log" \
     | cut -c1-400
 done
 echo "== done in $(( $(date +%s) - T0 )) s"; tail -3 "$OUT/stderr.log" | cut -c1-300

@@ -186,6 +186,7 @@ def results_path(gpu: str) -> pathlib.Path:
 
 
 def read_results(path: pathlib.Path) -> dict:
+    """``{"rows": [...], "recorded": {suite: when it was last recorded}}`` (and older runs' ``"history"``)."""
     return json.loads(path.read_text()) if path.exists() else {"rows": []}
 
 
@@ -204,6 +205,8 @@ def record(rows: list[dict]) -> list[pathlib.Path]:
         result = read_results(path)
         replaced = {(r["suite"], r["variant"], r["code_hash"]) for r in new}
         result["rows"] = [r for r in result["rows"] if (r["suite"], r["variant"], r["code_hash"]) not in replaced] + new
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        result.setdefault("recorded", {}).update({r["suite"]: now for r in new})  # which GPU measured a suite last
         path.write_text(json.dumps(result, indent=1) + "\n")
         written.append(path)
     return written

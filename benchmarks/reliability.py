@@ -292,12 +292,15 @@ def cuda_tests(args) -> dict:
     suite = ET.parse(junit).getroot()
     suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]  # fmt: skip
     import transformers
 
     return {
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
         "failed": counts["failures"] + counts["errors"],
         "skipped": counts["skipped"],
+        "failed_tests": failed,
         "selection": f"-m cuda {args.tests}" + (f" -k '{args.tests_k}'" if args.tests_k else ""),
         "transformers": transformers.__version__,
         "summary": done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else done.stderr[-400:],

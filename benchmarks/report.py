@@ -16,7 +16,7 @@ import json
 import pathlib
 import re
 
-from benchmarks.harness import RESULTS, ROOT
+from benchmarks.harness import RESULTS, ROOT, gpu_slug
 
 SUITE_ORDER = ("decode", "serving", "hf", "startup", "kernels", "reliability", "tensor-parallel")
 #: suite -> the figures its table shows (a row's variant comes first)
@@ -57,8 +57,14 @@ def current(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def results_files() -> dict[str, list[dict]]:
-    """GPU slug -> its recorded rows (``results/<gpu>.json``)."""
-    return {p.stem: json.loads(p.read_text()).get("rows", []) for p in sorted(RESULTS.glob("*.json"))}
+    """GPU slug -> its recorded rows (``results/<gpu>.json``), the files in the order their last
+    record of any suite came (so a suite's last file is the GPU that measured it last)."""
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
+    return {slug: r.get("rows", []) for slug, r in sorted(results.items(), key=lambda kv: _last(kv[1]))}
+
+
+def _last(result: dict) -> str:
+    return max(result.get("recorded", {}).values(), default="")
 
 
 def _cell(value) -> str:
@@ -84,7 +90,7 @@ def table(suite: str, rows: list[dict]) -> str:
 
 def _stamp(rows: list[dict]) -> str:
     r = rows[0]
-    return f"{r['gpu']}, torch {r['torch']}, code hash `{r['code_hash'][:8]}…`"
+    return f"{gpu_slug(r['gpu']).upper()}, torch {r['torch']}, code hash `{r['code_hash'][:8]}…`"
 
 
 def headline(suite: str, rows: list[dict]) -> str:
@@ -135,8 +141,11 @@ def headline(suite: str, rows: list[dict]) -> str:
         if "threads" in by:
             t = by["threads"]
             parts.append(f"threads {t.get('background_errors')} neighbour errors, {t.get('concurrent_wrong')} wrong")
-        if "cuda-tests" in by:
-            parts.append(f"CUDA tests {by['cuda-tests'].get('passed')} passed, {by['cuda-tests'].get('failed')} failed")
+        for name, t in by.items():
+            if name.startswith("cuda-tests"):
+                not_run = f", {t['not_run']} not run" if t.get("not_run") else ""
+                label = name.replace("cuda-tests", "CUDA tests").replace("-", " ")
+                parts.append(f"{label}: {t.get('passed')} passed, {t.get('failed')} failed{not_run}")
         return "; ".join(parts) or f"{len(rows)} rows"
     return f"{len(rows)} rows"
 
@@ -162,7 +171,7 @@ def full_tables(files: dict[str, list[dict]]) -> str:
 
 
 def _newest(files: dict[str, list[dict]], suite: str) -> list[dict]:
-    """The suite's current rows on the GPU that recorded it last (by file order: h100, h200)."""
+    """The suite's current rows on the GPU that recorded it last (``results_files``' order)."""
     found = [now for rows in files.values() if (now := current(rows).get(suite))]
     return found[-1] if found else []
 
@@ -178,7 +187,8 @@ def kernels_table(files: dict[str, list[dict]]) -> str:
              "| ---: | ---: | ---: | ---: |"]  # fmt: skip
     for r in rows:
         f = r["figures"]
-        lines.append(f"| {f['B']} | {_cell(f['paged_us'])} | {_cell(f['sdpa_us'])} | {_cell(f['floor_us'])} |")
+        if f["B"] in (1, 32, 128):  # the README's rows; benchmarks/README.md has them all
+            lines.append(f"| {f['B']} | {_cell(f['paged_us'])} | {_cell(f['sdpa_us'])} | {_cell(f['floor_us'])} |")
     return "\n".join(lines)
 
 
@@ -186,7 +196,13 @@ def startup_line(files: dict[str, list[dict]]) -> str:
     rows = _newest(files, "startup")
     if not rows:
         return "(not measured yet: `python -m benchmarks startup`)"
-    return f"{headline('startup', rows)} ({_stamp(rows)})."
+    line = f"{headline('startup', rows)} ({_stamp(rows)})."
+    cold = next((r["figures"] for r in rows if r["variant"] == "inductor" and "build_s" in r["figures"]), None)
+    if cold:  # what a first deploy adds to eager's start: torch's trace and compile, the backend's own share
+        own = cold["build_s"] - cold["compile_s"]
+        line += (f" A first deploy adds Dynamo's trace ({cold['trace_s']:.1f} s) and Inductor's compile "
+                 f"({cold['compile_s']:.1f} s); the backend's own share is {own:.1f} s ({own / cold['startup_s']:.0%}).")  # fmt: skip
+    return line
 
 
 #: file -> block name -> what writes it

@@ -604,12 +604,15 @@ def test_report_writes_each_block_from_the_results_and_check_catches_a_hand_edit
     rows = [
         _row("startup", "eager", "h1", startup_s=10.0),
         _row("startup", "warm", "h1", startup_s=12.0),
-        _row("startup", "inductor", "h1", startup_s=25.0),
+        _row("startup", "inductor", "h1", startup_s=25.0, trace_s=3.0, build_s=11.0, compile_s=9.0),
     ]
     files = {"h100": rows}
     line = report.startup_line(files)
-    assert line.startswith("eager 10.0 s, warm artifact 12.0 s (1.20×), first deploy 25.0 s (2.50×)")
-    assert "`h1…`" in line and "NVIDIA H100" in line
+    assert line == (
+        "eager 10.0 s, warm artifact 12.0 s (1.20×), first deploy 25.0 s (2.50×) (H100, torch 2.11.0, code hash "
+        "`h1…`). A first deploy adds Dynamo's trace (3.0 s) and Inductor's compile (9.0 s); the backend's own "
+        "share is 2.0 s (8%)."
+    )
     text = "before\n<!-- startup:begin -->\nold numbers\n<!-- startup:end -->\nafter\n"
     assert (
         report.replace_block(text, "startup", line, "x")
