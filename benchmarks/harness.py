@@ -126,15 +126,16 @@ def run_suite(suite: Suite, argv: list[str]) -> list[dict]:
 
     stamp = {"gpu": gpu_name(), "torch_version": torch.__version__, "digest": code_hash()}
     rows = []
-    work = args.work = tempfile.mkdtemp(prefix=f"bench-{suite.name}-")
-    for variant in args.variants.split(","):
-        env = {**os.environ, **suite.env(variant, args)}
-        for got in _child_rows(suite, variant, [*argv, "--work", work], args.timeout, env):
-            rows.append(row(suite.name, variant, got, **stamp))
-            print(json.dumps(rows[-1]), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(rows[-1]) + "\n")
+    with tempfile.TemporaryDirectory(prefix=f"bench-{suite.name}-") as work:  # what the children share
+        args.work = work
+        for variant in args.variants.split(","):
+            env = {**os.environ, **suite.env(variant, args)}
+            for got in _child_rows(suite, variant, [*argv, "--work", work], args.timeout, env):
+                rows.append(row(suite.name, variant, got, **stamp))
+                print(json.dumps(rows[-1]), flush=True)
+                if args.out:
+                    with open(args.out, "a") as f:
+                        f.write(json.dumps(rows[-1]) + "\n")
     return rows
 
 

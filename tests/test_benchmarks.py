@@ -3,6 +3,7 @@ ratios are right, results are recorded per GPU and the README's numbers are what
 
 import argparse
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -543,30 +544,23 @@ def _toy_suite(run):
 
 def test_a_child_that_fails_or_hangs_leaves_a_row_saying_so_and_the_others_run(monkeypatch):
     """The harness's children: a variant that raises is an ``error`` row, one past its timeout too
-    (killed, with the rows it gave before), and the next variant still runs."""
+    (killed, with the rows it gave before), and the next variant still runs. The child here is a script
+    of the test's own in place of ``python -m benchmarks SUITE --child VARIANT``."""
     script = (
         "import sys, time; v = sys.argv[sys.argv.index('--child') + 1]; print('ROW {\"n\": 1}', flush=True)\n"
         "if v == 'a': raise SystemExit('variant a broke')\n"
         "time.sleep(60)\n"
     )
-    monkeypatch.setattr(harness.sys, "executable", sys.executable)
-    cmd = [sys.executable, "-c", script]
-    rows = {}
-    for variant, timeout in (("a", 30), ("b", 3)):
-        child = harness._child_rows(_toy_suite(None), variant, [], timeout, dict(__import__("os").environ))
-        monkeypatch.setattr(harness.subprocess, "Popen", _popen_with(cmd))
-        rows[variant] = list(child)
-    assert rows["a"][0] == {"n": 1} and "variant a broke" in rows["a"][1]["error"], rows
-    assert rows["b"] == [{"n": 1}, {"error": "timed out after 3 s (1 rows before)"}]
-
-
-def _popen_with(cmd):
     real = subprocess.Popen
 
-    def popen(args, **kwargs):
-        return real([*cmd, *args[args.index("--child") :]], **{k: v for k, v in kwargs.items() if k != "cwd"})
+    def popen(cmd, **kwargs):  # the harness's command, its ``--child VARIANT`` kept
+        return real([sys.executable, "-c", script, *cmd[cmd.index("--child") :]], **kwargs)
 
-    return popen
+    monkeypatch.setattr(harness.subprocess, "Popen", popen)
+    suite = _toy_suite(None)
+    rows = {v: list(harness._child_rows(suite, v, [], t, dict(os.environ))) for v, t in (("a", 30), ("b", 3))}
+    assert rows["a"][0] == {"n": 1} and "variant a broke" in rows["a"][1]["error"], rows
+    assert rows["b"] == [{"n": 1}, {"error": "timed out after 3 s (1 rows before)"}]
 
 
 def test_smoke_options_come_first_and_the_command_line_wins_and_unknown_variants_are_refused():
