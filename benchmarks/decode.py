@@ -146,33 +146,32 @@ def decode_rows(args, device: str) -> Iterator[dict]:
     if getattr(args, "rounds", 1) > 1:
         yield from interleaved_rows(args, device)
         return
-    for key in [args.child]:
-        model, twin = models_for(key, args, device)
-        for batch in args.batches:
-            size_caches(model, batch)
-            batch_rows = []
-            for variant in args.backends:
-                row = {"model": model_name(model), "variant": variant, "batch": batch}
-                batch_rows.append(row)
-                try:
-                    torch._dynamo.reset()
-                    with torch.inference_mode():
-                        first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
-                        step_ms, host_ms = measure()
-                        clock = sm_clock_mhz(device)
-                        row.update(
-                            step_ms=round(step_ms, 4),
-                            host_ms=round(host_ms, 4),
-                            sm_clock_mhz=clock,
-                            first_call_s=round(first_s, 3),
-                            sdpa=sdpa_label(variant),
-                            **facts(),
-                        )
-                        row["pipelined_ms"] = _pipelined_ms(row, measure)
-                except Exception as exc:  # a failure is a result, not a skip
-                    row.update(step_ms=None, first_call_s=None, error=_error(exc))
-            _mark_process(batch_rows, args)
-            yield from batch_rows
+    model, twin = models_for(args.child, args, device)
+    for batch in args.batches:
+        size_caches(model, batch)
+        batch_rows = []
+        for variant in args.backends:
+            row = {"model": model_name(model), "variant": variant, "batch": batch}
+            batch_rows.append(row)
+            try:
+                torch._dynamo.reset()
+                with torch.inference_mode():
+                    first_s, measure, facts = prepared_variant(variant, model, twin, batch, args, device)
+                    step_ms, host_ms = measure()
+                    clock = sm_clock_mhz(device)
+                    row.update(
+                        step_ms=round(step_ms, 4),
+                        host_ms=round(host_ms, 4),
+                        sm_clock_mhz=clock,
+                        first_call_s=round(first_s, 3),
+                        sdpa=sdpa_label(variant),
+                        **facts(),
+                    )
+                    row["pipelined_ms"] = _pipelined_ms(row, measure)
+            except Exception as exc:  # a failure is a result, not a skip
+                row.update(step_ms=None, first_call_s=None, error=_error(exc))
+        _mark_process(batch_rows, args)
+        yield from batch_rows
 
 
 def interleaved_rows(args, device: str) -> Iterator[dict]:
@@ -192,70 +191,67 @@ def interleaved_rows(args, device: str) -> Iterator[dict]:
     while time.perf_counter() < deadline:  # learn the host's full speed before the first round waits for it
         timing.probe()
         time.sleep(0.05)
-    for key in [args.child]:
-        model, twin = models_for(key, args, device)
-        for batch in args.batches:
-            size_caches(model, batch)
-            torch._dynamo.reset()
-            batch_rows, measures, facts = {}, {}, {}
-            with torch.inference_mode():
-                for variant in args.backends:
-                    row = batch_rows[variant] = {
-                        "model": model_name(model),
-                        "variant": variant,
-                        "batch": batch,
-                        "sdpa": sdpa_label(variant),
-                    }
+    model, twin = models_for(args.child, args, device)
+    for batch in args.batches:
+        size_caches(model, batch)
+        torch._dynamo.reset()
+        batch_rows, measures, facts = {}, {}, {}
+        with torch.inference_mode():
+            for variant in args.backends:
+                row = batch_rows[variant] = {
+                    "model": model_name(model),
+                    "variant": variant,
+                    "batch": batch,
+                    "sdpa": sdpa_label(variant),
+                }
+                try:
+                    first_s, measures[variant], facts[variant] = prepared_variant(
+                        variant, model, twin, batch, args, device
+                    )
+                    row.update(
+                        first_call_s=round(first_s, 3),
+                        step_ms_rounds=[],
+                        host_ms_rounds=[],
+                        host_probe_us_rounds=[],
+                        sm_clock_mhz_rounds=[],
+                        pipelined_ms_rounds=[],
+                    )
+                except Exception as exc:  # a failure is a result, not a skip
+                    row.update(step_ms=None, first_call_s=None, error=_error(exc))
+            for round_ in range(args.rounds):
+                if round_ and getattr(args, "pause", 0):
+                    time.sleep(args.pause)  # rounds seconds apart meet the host's spells apart
+                for variant, measure in list(measures.items()):
+                    row = batch_rows[variant]
                     try:
-                        first_s, measures[variant], facts[variant] = prepared_variant(
-                            variant, model, twin, batch, args, device
-                        )
-                        row.update(
-                            first_call_s=round(first_s, 3),
-                            step_ms_rounds=[],
-                            host_ms_rounds=[],
-                            host_probe_us_rounds=[],
-                            sm_clock_mhz_rounds=[],
-                            pipelined_ms_rounds=[],
-                        )
-                    except Exception as exc:  # a failure is a result, not a skip
-                        row.update(step_ms=None, first_call_s=None, error=_error(exc))
-                for round_ in range(args.rounds):
-                    if round_ and getattr(args, "pause", 0):
-                        time.sleep(args.pause)  # rounds seconds apart meet the host's spells apart
-                    for variant, measure in list(measures.items()):
-                        row = batch_rows[variant]
-                        try:
-                            probe = settled_probe(settle)
-                            step_ms, host_ms = measure()
-                            row["host_probe_us_rounds"].append(round(max(probe, timing.probe()), 2))
-                            row["step_ms_rounds"].append(round(step_ms, 4))
-                            row["host_ms_rounds"].append(round(host_ms, 4))
-                            row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
-                        except Exception as exc:
-                            row.update(error=_error(exc))
-                            del measures[variant]
-                for _ in range(args.rounds):  # after every waiting round: see the module's docstring
-                    for variant, measure in list(measures.items()):
-                        row = batch_rows[variant]
-                        if "pipelined_error" not in row and (ms := _pipelined_ms(row, measure)) is not None:
-                            row["pipelined_ms_rounds"].append(ms)
-            for variant, row in batch_rows.items():
-                if variant in facts:
-                    row.update(facts[variant]())
-                times, host = row.get("step_ms_rounds"), row.get("host_ms_rounds")
-                ok = bool(times) and "error" not in row
-                row["step_ms"] = round(statistics.median(times), 4) if ok else None
-                row["host_ms"] = round(statistics.median(host), 4) if ok else None
-                pipelined = row.get("pipelined_ms_rounds")
-                row["pipelined_ms"] = (
-                    round(statistics.median(pipelined), 4)
-                    if ok and pipelined and "pipelined_error" not in row
-                    else None
-                )
-            fast_host_times(list(batch_rows.values()), timing.FASTEST_PROBE[0])
-            _mark_process(list(batch_rows.values()), args)
-            yield from batch_rows.values()
+                        probe = settled_probe(settle)
+                        step_ms, host_ms = measure()
+                        row["host_probe_us_rounds"].append(round(max(probe, timing.probe()), 2))
+                        row["step_ms_rounds"].append(round(step_ms, 4))
+                        row["host_ms_rounds"].append(round(host_ms, 4))
+                        row["sm_clock_mhz_rounds"].append(sm_clock_mhz(device))
+                    except Exception as exc:
+                        row.update(error=_error(exc))
+                        del measures[variant]
+            for _ in range(args.rounds):  # after every waiting round: see the module's docstring
+                for variant, measure in list(measures.items()):
+                    row = batch_rows[variant]
+                    if "pipelined_error" not in row and (ms := _pipelined_ms(row, measure)) is not None:
+                        row["pipelined_ms_rounds"].append(ms)
+        for variant, row in batch_rows.items():
+            if variant in facts:
+                row.update(facts[variant]())
+            times, host = row.get("step_ms_rounds"), row.get("host_ms_rounds")
+            ok = bool(times) and "error" not in row
+            row["step_ms"] = round(statistics.median(times), 4) if ok else None
+            row["host_ms"] = round(statistics.median(host), 4) if ok else None
+            pipelined = row.get("pipelined_ms_rounds")
+            row["pipelined_ms"] = (
+                round(statistics.median(pipelined), 4) if ok and pipelined and "pipelined_error" not in row else None
+            )
+        fast_host_times(list(batch_rows.values()), timing.FASTEST_PROBE[0])
+        _mark_process(list(batch_rows.values()), args)
+        yield from batch_rows.values()
 
 
 def rows(variant: str, args) -> Iterator[dict]:

@@ -32,7 +32,7 @@ COLUMNS = {
         "floor_ms",
         "vs_floor",
         "token_agreement",
-    ),  # fmt: skip
+    ),
     "hf": ("model", "cache", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),
     "startup": ("startup_s", "trace_s", "compile_s", "load_s", "capture_s", "triton_compiles", "tpot_median_ms"),
     "kernels": ("B", "context", "paged_us", "sdpa_us", "floor_us", "vs_sdpa", "vs_floor"),
@@ -45,7 +45,7 @@ COLUMNS = {
         "passed",
         "failed",
         "selection",
-    ),  # fmt: skip
+    ),
     "tensor-parallel": ("model", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),
 }
 
