@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,11 @@ def _child_rows(suite: Suite, variant: str, argv: list[str], timeout: int, env: 
         if suite.fresh_caches:
             env.update(TORCHINDUCTOR_CACHE_DIR=f"{caches}/inductor", TRITON_CACHE_DIR=f"{caches}/triton")
         with tempfile.TemporaryFile("w+") as err:
-            child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT)
+            # a session of its own: a timeout kills what the child started too (Inductor's compile
+            # workers, torchrun's ranks), not only the child
+            child = subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True, cwd=ROOT, start_new_session=True
+            )
             deadline, seen = time.monotonic() + timeout, 0
             try:
                 for line in _lines_until(child, deadline):
@@ -153,7 +158,7 @@ def _child_rows(suite: Suite, variant: str, argv: list[str], timeout: int, env: 
                         seen += 1
                         yield json.loads(line[len(PREFIX) :])
             except TimeoutError:
-                child.kill()
+                os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 yield {"error": f"timed out after {timeout} s ({seen} rows before)"}
                 return

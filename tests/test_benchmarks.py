@@ -7,6 +7,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -561,6 +562,30 @@ def test_a_child_that_fails_or_hangs_leaves_a_row_saying_so_and_the_others_run(m
     rows = {v: list(harness._child_rows(suite, v, [], t, dict(os.environ))) for v, t in (("a", 30), ("b", 3))}
     assert rows["a"][0] == {"n": 1} and "variant a broke" in rows["a"][1]["error"], rows
     assert rows["b"] == [{"n": 1}, {"error": "timed out after 3 s (1 rows before)"}]
+
+
+def test_a_timed_out_child_is_killed_with_the_processes_it_started(monkeypatch, tmp_path):
+    """What a child starts (Inductor's compile workers, torchrun's ranks) goes with it at its timeout."""
+    pid_file = tmp_path / "grandchild.pid"
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('ROW {{}}', flush=True); time.sleep(60)\n"
+    )
+    real = subprocess.Popen
+    monkeypatch.setattr(harness.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", script], **kw))
+    rows = list(harness._child_rows(_toy_suite(None), "a", [], 5, dict(os.environ)))
+    assert rows == [{}, {"error": "timed out after 5 s (1 rows before)"}]
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):  # killed; gone once its parent's reaper (init) collects it
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        state = pathlib.Path(f"/proc/{grandchild}/stat").read_text().split()[2]
+        assert state == "Z", f"the grandchild {grandchild} still runs ({state})"
 
 
 def test_smoke_options_come_first_and_the_command_line_wins_and_unknown_variants_are_refused():
