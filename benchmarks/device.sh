@@ -4,7 +4,7 @@
 # rows appended to $OUT/rows.jsonl as they come (`python -m benchmarks record` files them here).
 #   bash benchmarks/device.sh "120 kernels" "300 serving --timeout 280"
 # A carried .whl/ folder (newer wheels, e.g. transformers) is installed into /tmp/site, which only
-# runs prefixed "WHEELS" see:  "200 WHEELS reliability --variants cuda-tests --tests tests/test_hf_generate.py"
+# runs prefixed "WHEELS" see:  "560 WHEELS reliability --variants cuda-tests --tests tests/test_hf_generate.py --tests-procs 3"
 export OUT=${OUT:-/tmp/out} PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
 mkdir -p "$OUT"
 python -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.log" 2>&1 || { tail "$OUT/pip.log"; exit 1; }

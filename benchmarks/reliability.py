@@ -1,7 +1,6 @@
-"""Suite ``reliability``: outputs against eager under random models (``fuzz``) and lazy capture inside a
-live process (``cuda-tests``: ``pytest -m cuda`` over ``--tests`` (its counts and the transformers it ran with).
-
-``threads``: another thread's CUDA work during captures, concurrent callers).
+"""Suite ``reliability``: outputs against eager under random models (``fuzz``), lazy capture inside a
+live process (``threads``: another thread's CUDA work during captures, concurrent callers), and the
+package's CUDA tests (``cuda-tests``).
 
     python -m benchmarks reliability [--variants fuzz,threads] [--calls 200] [--concurrent 400] [--capture-modes]
     python -m benchmarks reliability --smoke      # CPU: graphs emulated, a few calls and models
@@ -11,7 +10,11 @@ backend beside their eager twins, step by step, with a neighbour thread beside t
 (``--threads``), then, on a GPU, one model's memory over many replays; ``wrong`` counts every
 output, buffer or view that differs from eager's.
 
-``cuda-tests``: ``pytest -m cuda`` over ``--tests`` (its counts and the transformers it ran with).
+``cuda-tests``: ``pytest -m cuda`` over ``--tests`` (its counts, the tests that failed by name, and the
+transformers it ran with); ``--tests-procs N`` deals the collected tests round-robin to N pytest
+processes at once (Inductor's compiles are CPU-bound and the models tiny, so N of them share one GPU
+and the counts add up in one row); ``--row-name`` names the row (a run in another environment, e.g.
+newer transformers, then keeps the image's row at the same code hash).
 
 ``threads``:
 The model is transformers' ``LlamaForCausalLM`` (4 layers, hidden 256, random weights, fp32), its
@@ -282,29 +285,74 @@ def threads(args) -> dict:
 
 
 def cuda_tests(args) -> dict:
-    """The CUDA tests of ``--tests`` (pytest ``-m cuda``), in this process's environment: passed, failed..."""
-    import xml.etree.ElementTree as ET
-
-    junit = f"{args.work}/cuda-tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", f"--junitxml={junit}",
-           *(["-k", args.tests_k] if args.tests_k else []), *args.tests.replace(",", " ").split()]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    suite = ET.parse(junit).getroot()
-    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
-    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-              if case.find("failure") is not None or case.find("error") is not None]  # fmt: skip
-    import transformers
-
+    """The CUDA tests of ``--tests`` (pytest ``-m cuda``), in this process's environment: passed, failed
+    (by name), skipped, over ``--tests-procs`` pytest processes at once."""
+    selection = ["-m", "cuda", *(["-k", args.tests_k] if args.tests_k else []), *args.tests.replace(",", " ").split()]
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    if args.tests_procs > 1:
+        listing = [*pytest, "-s", "-p", __name__, "--collect-only", *selection]  # __name__: the hook below
+        listed = subprocess.run(listing, capture_output=True, text=True)
+        ids = [line.removeprefix(TEST_ID) for line in listed.stdout.splitlines() if line.startswith(TEST_ID)]
+        shares = [ids[i :: args.tests_procs] for i in range(args.tests_procs)]
+        shares = [share for share in shares if share] or [[]]
+    else:
+        shares = [[]]  # one process: the selection itself
+    runs = []
+    for i, share in enumerate(shares):
+        junit = f"{args.work}/cuda-tests-{i}.xml"
+        cmd = [*pytest, f"--junitxml={junit}", *(["-m", "cuda", *share] if share else selection)]
+        runs.append((junit, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+    counts, failed, summary = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0), [], []
+    for junit, proc in runs:
+        out = proc.communicate()[0].strip()
+        summary += out.splitlines()[-1:] if out else [f"pytest exited {proc.returncode} and printed nothing"]
+        got, names = _junit_counts(junit)
+        counts = {k: counts[k] + got[k] for k in counts}
+        failed += names
+    if args.tests_procs > 1 and not counts["tests"]:
+        raise SystemExit(f"cuda-tests: collected no test from {' '.join(selection)}: {listed.stdout[-400:]}")
     return {
+        "variant": args.row_name,
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],
         "failed": counts["failures"] + counts["errors"],
         "skipped": counts["skipped"],
         "failed_tests": failed,
-        "selection": f"-m cuda {args.tests}" + (f" -k '{args.tests_k}'" if args.tests_k else ""),
-        "transformers": transformers.__version__,
-        "summary": done.stdout.strip().splitlines()[-1:] if done.stdout.strip() else done.stderr[-400:],
+        "selection": " ".join(selection) + (f", {len(runs)} processes at once" if len(runs) > 1 else ""),
+        "transformers": _version_of("transformers"),
+        "summary": summary,
     }
+
+
+TEST_ID = "CUDA-TEST "
+
+
+def pytest_collection_finish(session) -> None:
+    """pytest's hook, in the pytest that ``cuda_tests`` lists the selection with (``-p`` loads this module):
+    each test's node id made absolute, which pytest's own ``-q`` listing is not (it is relative to a
+    root directory the other processes need not share)."""
+    for item in session.items:
+        print(f"{TEST_ID}{session.config.rootpath}/{item.nodeid}")
+
+
+def _version_of(package: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _junit_counts(path: str) -> tuple[dict, list[str]]:
+    """pytest's JUnit XML: its counts and the tests that failed or erred, by name."""
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(path).getroot()
+    suite = suite.find("testsuite") if suite.tag == "testsuites" else suite
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]  # fmt: skip
+    return counts, failed
 
 
 def rows(variant: str, args) -> Iterator[dict]:
@@ -329,6 +377,8 @@ def options(parser) -> None:
     parser.add_argument("--as-mode", choices=["global", "thread_local", "aside"], help=argparse.SUPPRESS)
     parser.add_argument("--tests", default="tests/", help="cuda-tests: the test files (comma-separated)")
     parser.add_argument("--tests-k", default="", help="cuda-tests: pytest's -k expression")
+    parser.add_argument("--tests-procs", type=int, default=1, help="cuda-tests: pytest processes at once")
+    parser.add_argument("--row-name", default="cuda-tests", help="cuda-tests: the row's variant name")
     from tests.fuzz.__main__ import options as fuzz_options
 
     fuzz_options(parser)

@@ -44,6 +44,7 @@ COLUMNS = {
         "concurrent_wrong",
         "passed",
         "failed",
+        "transformers",
         "selection",
     ),
     "tensor-parallel": ("model", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),

@@ -404,6 +404,30 @@ def test_threads_benchmark_counts_a_neighbours_errors_and_concurrent_callers_out
     assert calls == {"concurrent_calls": 12, "concurrent_wrong": 0, "concurrent_errors": 0, "concurrent_threads": 2}
 
 
+def test_cuda_tests_deal_the_tests_to_processes_and_add_their_counts(tmp_path):
+    """``reliability``'s ``cuda-tests`` over two pytest processes: every ``-m cuda`` test runs once, the
+    counts add up in one row, the failed test is named, the row takes ``--row-name``."""
+    from benchmarks import reliability
+
+    (tmp_path / "test_marked.py").write_text(
+        "import pytest\n"
+        "pytestmark = pytest.mark.cuda\n"
+        "@pytest.mark.parametrize('n', range(4))\n"
+        "def test_passes(n): assert n < 4\n"
+        "def test_fails(): assert 1 == 2\n"
+        "@pytest.mark.skip(reason='says why')\n"
+        "def test_skipped(): pass\n"
+    )
+    (tmp_path / "test_unmarked.py").write_text("def test_not_selected(): assert False\n")
+    args = argparse.Namespace(tests=f"{tmp_path}/test_marked.py,{tmp_path}/test_unmarked.py", tests_k="not skipped",
+                              tests_procs=2, row_name="cuda-tests-here", work=str(tmp_path))  # fmt: skip
+    row = reliability.cuda_tests(args)
+    assert (row["passed"], row["failed"], row["skipped"]) == (4, 1, 0), row
+    assert [name.rsplit("::", 1)[-1] for name in row["failed_tests"]] == ["test_fails"], row
+    assert row["variant"] == "cuda-tests-here" and "2 processes at once" in row["selection"], row
+    assert len(row["summary"]) == 2 and sorted(tmp_path.glob("cuda-tests-*.xml")), row
+
+
 def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurrency():
     """``serving``'s rows on CPU (graphs emulated): vLLM's serving metrics over a seeded trace,
     the full graphs and piecewise graphs it used, a sweep row per level, and the figure."""
