@@ -57,15 +57,17 @@ def current(rows: list[dict]) -> dict[str, list[dict]]:
     return {s: [r for r in rows if r["suite"] == s and r["code_hash"] == h] for s, h in newest.items()}
 
 
-def results_files() -> dict[str, list[dict]]:
-    """GPU slug -> its recorded rows (``results/<gpu>.json``), the files in the order their last
-    record of any suite came (so a suite's last file is the GPU that measured it last)."""
-    results = {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
-    return {slug: r.get("rows", []) for slug, r in sorted(results.items(), key=lambda kv: _last(kv[1]))}
+def results_files() -> dict[str, dict]:
+    """GPU slug -> its results file (``{"rows": [...], "recorded": {suite: when}}``, ``results/<gpu>.json``)."""
+    return {p.stem: json.loads(p.read_text()) for p in sorted(RESULTS.glob("*.json"))}
 
 
-def _last(result: dict) -> str:
-    return max(result.get("recorded", {}).values(), default="")
+def _by_recording(files: dict[str, dict], suite: str) -> list[tuple[str, list[dict]]]:
+    """(GPU slug, the suite's current rows) for each GPU that measured the suite, the one that recorded
+    it last at the end: per suite, so recording another suite on another GPU changes nothing here."""
+    found = [(slug, now, result.get("recorded", {}).get(suite, "")) for slug, result in files.items()
+             if (now := current(result.get("rows", [])).get(suite))]  # fmt: skip
+    return [(slug, now) for slug, now, _ in sorted(found, key=lambda found: found[2])]
 
 
 def _cell(value) -> str:
@@ -151,33 +153,32 @@ def headline(suite: str, rows: list[dict]) -> str:
     return f"{len(rows)} rows"
 
 
-def _each_current(files: dict[str, list[dict]]):
-    """(suite, GPU slug, its current rows), suites in their order, GPUs in file order."""
+def _each_current(files: dict[str, dict]):
+    """(suite, GPU slug, its current rows), suites in their order, per suite the GPU that recorded it last at the end."""
     for suite in SUITE_ORDER:
-        for slug, rows in files.items():
-            if now := current(rows).get(suite):
-                yield suite, slug, now
+        for slug, now in _by_recording(files, suite):
+            yield suite, slug, now
 
 
-def numbers_table(files: dict[str, list[dict]]) -> str:
+def numbers_table(files: dict[str, dict]) -> str:
     lines = ["| suite | GPU | code hash | current numbers |", "| --- | --- | --- | --- |"]
     for suite, slug, now in _each_current(files):
         lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
     return "\n".join(lines)
 
 
-def full_tables(files: dict[str, list[dict]]) -> str:
+def full_tables(files: dict[str, dict]) -> str:
     parts = [f"#### `{suite}` ({_stamp(now)})\n\n{table(suite, now)}" for suite, _, now in _each_current(files)]
     return "\n\n".join(parts)
 
 
-def _newest(files: dict[str, list[dict]], suite: str) -> list[dict]:
-    """The suite's current rows on the GPU that recorded it last (``results_files``' order)."""
-    found = [now for rows in files.values() if (now := current(rows).get(suite))]
-    return found[-1] if found else []
+def _newest(files: dict[str, dict], suite: str) -> list[dict]:
+    """The suite's current rows on the GPU that recorded it last."""
+    found = _by_recording(files, suite)
+    return found[-1][1] if found else []
 
 
-def kernels_table(files: dict[str, list[dict]]) -> str:
+def kernels_table(files: dict[str, dict]) -> str:
     """The paged kernel beside flash SDPA and the byte floor, 1,000 keys a row (the README's engine section)."""
     rows = [
         r for r in _newest(files, "kernels") if r["figures"].get("context") == 1000 and r["figures"].get("paged_us")
@@ -193,7 +194,7 @@ def kernels_table(files: dict[str, list[dict]]) -> str:
     return "\n".join(lines)
 
 
-def startup_line(files: dict[str, list[dict]]) -> str:
+def startup_line(files: dict[str, dict]) -> str:
     rows = _newest(files, "startup")
     if not rows:
         return "(not measured yet: `python -m benchmarks startup`)"
@@ -220,13 +221,13 @@ def replace_block(text: str, name: str, body: str, path: str) -> str:
     return re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: f"{begin}\n{body}\n{end}", text, flags=re.S)
 
 
-def figures(files: dict[str, list[dict]]) -> list[pathlib.Path]:
+def figures(files: dict[str, dict]) -> list[pathlib.Path]:
     """The serving suite's TPOT figure per GPU (the seed's vLLM numbers beside it)."""
     from benchmarks.serving import figure
 
     written = []
-    for slug, rows in files.items():
-        now = current(rows).get("serving")
+    for slug, result in files.items():
+        now = current(result.get("rows", [])).get("serving")
         if now and any(r["figures"].get("workload") == "seed" for r in now):
             figure(now, RESULTS / f"{slug}_seed_tpot.png")
             written.append(RESULTS / f"{slug}_seed_tpot.png")

@@ -649,7 +649,7 @@ def test_report_writes_each_block_from_the_results_and_check_catches_a_hand_edit
         _row("startup", "warm", "h1", startup_s=12.0),
         _row("startup", "inductor", "h1", startup_s=25.0, trace_s=3.0, build_s=11.0, compile_s=9.0),
     ]
-    files = {"h100": rows}
+    files = {"h100": {"rows": rows}}
     line = report.startup_line(files)
     assert line == (
         "eager 10.0 s, warm artifact 12.0 s (1.20×), first deploy 25.0 s (2.50×) (H100, torch 2.11.0, code hash "
@@ -664,6 +664,24 @@ def test_report_writes_each_block_from_the_results_and_check_catches_a_hand_edit
     with pytest.raises(SystemExit, match="no <!-- kernels:begin -->"):
         report.replace_block(text, "kernels", "", "x")
     assert "| startup | H100 | `h1` | eager 10.0 s" in report.numbers_table(files)
+
+
+def test_the_readme_takes_a_suite_from_the_gpu_that_recorded_that_suite_last():
+    """H100 measured ``startup`` last; H200 recorded another suite later: the README's start-up line
+    stays H100's, and each suite's tables list its GPUs in the order they recorded it."""
+    files = {
+        "h100": {"rows": [_row("startup", "eager", "new", startup_s=9.0)],
+                 "recorded": {"startup": "2026-12-07T05:00:00Z"}},
+        "h200": {"rows": [_row("startup", "eager", "old", gpu="NVIDIA H200", startup_s=10.0),
+                          _row("reliability", "cuda-tests", "new", gpu="NVIDIA H200", passed=3, failed=0)],
+                 "recorded": {"startup": "2026-12-01T00:00:00Z", "reliability": "2026-12-07T06:00:00Z"}},
+    }  # fmt: skip
+    assert report.startup_line(files).startswith("eager 9.0 s (H100, torch 2.11.0, code hash `new…`)")
+    assert [(suite, slug) for suite, slug, _ in report._each_current(files)] == [
+        ("startup", "h200"),
+        ("startup", "h100"),
+        ("reliability", "h200"),
+    ]
 
 
 def test_the_committed_readme_numbers_are_what_the_results_files_give():
