@@ -36,9 +36,10 @@ def main(argv: list[str]) -> None:
         return
     command, rest = argv[0], argv[1:]
     if command == "--list":
+        width = max(map(len, SUITES))
         for name in SUITES:
             s = suite(name)
-            print(f"{name:12} {s.about} (variants: {', '.join(s.variants)})")
+            print(f"{name:{width}}  {s.about} (variants: {', '.join(s.variants)})")
     elif command == "record":
         from benchmarks.harness import read_rows, record
 
