@@ -51,3 +51,32 @@ def test_the_demo_command_runs_and_claims_no_speed_up_on_cpu(tmp_path):
         assert "speed-up" not in out and "captures: 0" not in out, out
         assert "no CUDA graphs on CPU" in out, out
     assert "p10" in out and "p90" in out, out  # the spread beside the median
+
+
+def test_the_support_line_quotes_the_newest_versions_scripts_last_result():
+    """``.ci/newest`` writes its last result to ``.ci/newest.last``; the README's support line says the
+    same date, versions and counts (a rerun that is not quoted, or a quote edited by hand, fails)."""
+    last = (ROOT / ".ci" / "newest.last").read_text().splitlines()[0]
+    date, torch_version, transformers_version = re.match(
+        r"(\S+): torch (\d+\.\d+\.\d+)\S*, transformers (\S+),", last
+    ).groups()
+    passed = re.search(r"(\d+) passed", last).group(1)
+    failed = found.group(1) if (found := re.search(r"(\d+) failed", last)) else "0"
+    support = " ".join(README.split("Tested. ", 1)[1].split("\n\n", 1)[0].split())
+    assert f"torch {torch_version} + transformers {transformers_version}" in support, support
+    assert f"(`.ci/newest`, {date}: {passed} passed, {failed} failed)" in support, support
+
+
+def test_the_support_line_quotes_the_hf_cuda_tests_on_the_newest_transformers():
+    """The Hugging Face CUDA tests run on the device with the newest transformers (``reliability``'s
+    ``cuda-tests-newest-transformers`` row): the support line says its transformers, GPU and counts."""
+    import json
+
+    rows = [(path.stem.upper(), r) for path in sorted((ROOT / "benchmarks" / "results").glob("*.json"))
+            for r in json.loads(path.read_text()).get("rows", []) if r["variant"] == "cuda-tests-newest-transformers"]  # fmt: skip
+    assert rows, "no cuda-tests-newest-transformers row in benchmarks/results"
+    gpu, row = rows[-1]
+    f = row["figures"]
+    support = " ".join(README.split("Tested. ", 1)[1].split("\n\n", 1)[0].split())
+    assert f"with {f['transformers']} ({gpu}," in support, support
+    assert f"{f['passed']} passed, {f['failed']} failed." in support, support
