@@ -289,19 +289,20 @@ def cuda_tests(args) -> dict:
     (by name), skipped, over ``--tests-procs`` pytest processes at once."""
     selection = ["-m", "cuda", *(["-k", args.tests_k] if args.tests_k else []), *args.tests.replace(",", " ").split()]
     pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    commands = [selection]  # one process: the selection itself
     if args.tests_procs > 1:
         listing = [*pytest, "-s", "-p", __name__, "--collect-only", *selection]  # __name__: the hook below
         listed = subprocess.run(listing, capture_output=True, text=True)
         ids = [line.removeprefix(TEST_ID) for line in listed.stdout.splitlines() if line.startswith(TEST_ID)]
-        shares = [ids[i :: args.tests_procs] for i in range(args.tests_procs)]
-        shares = [share for share in shares if share] or [[]]
-    else:
-        shares = [[]]  # one process: the selection itself
+        if not ids:
+            raise SystemExit(f"cuda-tests: collected no test from {' '.join(selection)}: {listed.stdout[-400:]}")
+        commands = [["-m", "cuda", *ids[i :: args.tests_procs]] for i in range(min(args.tests_procs, len(ids)))]
     runs = []
-    for i, share in enumerate(shares):
+    for i, command in enumerate(commands):
         junit = f"{args.work}/cuda-tests-{i}.xml"
-        cmd = [*pytest, f"--junitxml={junit}", *(["-m", "cuda", *share] if share else selection)]
-        runs.append((junit, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        proc = subprocess.Popen([*pytest, f"--junitxml={junit}", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        runs.append((junit, proc))
     counts, failed, summary = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0), [], []
     for junit, proc in runs:
         out = proc.communicate()[0].strip()
@@ -309,8 +310,6 @@ def cuda_tests(args) -> dict:
         got, names = _junit_counts(junit)
         counts = {k: counts[k] + got[k] for k in counts}
         failed += names
-    if args.tests_procs > 1 and not counts["tests"]:
-        raise SystemExit(f"cuda-tests: collected no test from {' '.join(selection)}: {listed.stdout[-400:]}")
     return {
         "variant": args.row_name,
         "passed": counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"],

@@ -53,6 +53,11 @@ def test_the_demo_command_runs_and_claims_no_speed_up_on_cpu(tmp_path):
     assert "p10" in out and "p90" in out, out  # the spread beside the median
 
 
+def _support_line() -> str:
+    """The README's paragraph of versions tested ("Tested. ..."), on one line."""
+    return " ".join(README.split("Tested. ", 1)[1].split("\n\n", 1)[0].split())
+
+
 def test_the_support_line_quotes_the_newest_versions_scripts_last_result():
     """``.ci/newest`` writes its last result to ``.ci/newest.last``; the README's support line says the
     same date, versions and counts (a rerun that is not quoted, or a quote edited by hand, fails)."""
@@ -62,7 +67,7 @@ def test_the_support_line_quotes_the_newest_versions_scripts_last_result():
     ).groups()
     passed = re.search(r"(\d+) passed", last).group(1)
     failed = found.group(1) if (found := re.search(r"(\d+) failed", last)) else "0"
-    support = " ".join(README.split("Tested. ", 1)[1].split("\n\n", 1)[0].split())
+    support = _support_line()
     assert f"torch {torch_version} + transformers {transformers_version}" in support, support
     assert f"(`.ci/newest`, {date}: {passed} passed, {failed} failed)" in support, support
 
@@ -77,6 +82,6 @@ def test_the_support_line_quotes_the_hf_cuda_tests_on_the_newest_transformers():
     assert rows, "no cuda-tests-newest-transformers row in benchmarks/results"
     gpu, row = rows[-1]
     f = row["figures"]
-    support = " ".join(README.split("Tested. ", 1)[1].split("\n\n", 1)[0].split())
+    support = _support_line()
     assert f"with {f['transformers']} ({gpu}," in support, support
     assert f"{f['passed']} passed, {f['failed']} failed." in support, support
