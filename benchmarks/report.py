@@ -33,6 +33,22 @@ COLUMNS = {
         "vs_floor",
         "token_agreement",
     ),
+    "ramp": (
+        "in_flight",
+        "declared",
+        "caches",
+        "wave1_tok_s",
+        "wave2_tok_s",
+        "wave1_over_wave2",
+        "wave1_longest_step_ms",
+        "steady_step_median_ms",
+        "wave1_itl_p99_ms",
+        "wave2_itl_p99_ms",
+        "request_path_capture_s",
+        "request_path_compile_s",
+        "captures_behind",
+        "triton_compiles_during_waves",
+    ),
     "hf": ("model", "cache", "batch", "dtype", "ms_per_token", "speedup_vs_eager", "token_agreement"),
     "startup": ("startup_s", "trace_s", "compile_s", "load_s", "capture_s", "triton_compiles", "tpot_median_ms"),
     "kernels": ("B", "context", "paged_us", "sdpa_us", "floor_us", "vs_sdpa", "vs_floor"),
@@ -81,6 +97,10 @@ def _cell(value) -> str:
 
 
 def table(suite: str, rows: list[dict]) -> str:
+    if suite == "serving" and any(_is_ramp(r) for r in rows):  # two workloads, two tables
+        others = [r for r in rows if not _is_ramp(r)]
+        ramp = table("ramp", [r for r in rows if _is_ramp(r)])
+        return f"{table(suite, others)}\n\n{ramp}" if others else ramp
     columns = [c for c in COLUMNS.get(suite, ()) if any(c in r["figures"] for r in rows)]
     lines = ["| variant | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
     for r in rows:
@@ -89,6 +109,10 @@ def table(suite: str, rows: list[dict]) -> str:
             cells = [f"error: {_cell(r['figures']['error'])}"] + [""] * (len(columns) - 1) if columns else []
         lines.append(f"| {r['variant']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _is_ramp(row: dict) -> bool:
+    return row["figures"].get("workload") == "ramp" or row["variant"].startswith("ramp")
 
 
 def _stamp(rows: list[dict]) -> str:
@@ -105,16 +129,18 @@ def headline(suite: str, rows: list[dict]) -> str:
         if k:
             return f"B=64, 1,000 keys: {k['paged_us']:.1f} µs; flash SDPA {k['sdpa_us']:.1f}, byte floor {k['floor_us']:.1f}"
     if suite == "serving":
-        seed, piece = (
-            f.get(("full-and-piecewise", "seed", None, None, None)),
-            f.get(("piecewise", "seed", None, None, None)),
-        )
+        seed = f.get(("full-and-piecewise", "seed", None, None, None))
+        others = [(v, f.get((v, "seed", None, None, None))) for v in ("piecewise", "full-and-piecewise-inline")]
         at64 = f.get(("full-and-piecewise", "concurrency", 64, None, None))
         parts = []
-        if seed and piece:
-            parts.append(f"seed TPOT {seed['tpot_median_ms']:.2f} ms (piecewise {piece['tpot_median_ms']:.2f})")
+        if seed:
+            beside = ", ".join(f"{v} {o['tpot_median_ms']:.2f}" for v, o in others if o and "tpot_median_ms" in o)
+            parts.append(f"seed TPOT {seed['tpot_median_ms']:.2f} ms" + (f" ({beside})" if beside else ""))
         if at64 and at64.get("vs_floor"):
             parts.append(f"64 in flight: {at64['out_tok_s']:,.0f} tok/s, step {at64['vs_floor']:.2f}× its byte floor")
+        ramp = f.get(("ramp-128-declared", "ramp", 128, None, None))
+        if ramp and ramp.get("wave1_over_wave2"):
+            parts.append(f"a fresh process's first wave of 128: {ramp['wave1_over_wave2']:.2f}× the second's tok/s")
         if parts:
             return "; ".join(parts)
     if suite == "startup":
@@ -161,9 +187,13 @@ def _each_current(files: dict[str, dict]):
 
 
 def numbers_table(files: dict[str, dict]) -> str:
+    """One row per suite: the GPU that recorded it last (``benchmarks/README.md`` has every GPU's)."""
     lines = ["| suite | GPU | code hash | current numbers |", "| --- | --- | --- | --- |"]
-    for suite, slug, now in _each_current(files):
-        lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
+    for suite in SUITE_ORDER:
+        found = _by_recording(files, suite)
+        if found:
+            slug, now = found[-1]
+            lines.append(f"| {suite} | {slug.upper()} | `{now[0]['code_hash'][:8]}` | {headline(suite, now)} |")
     return "\n".join(lines)
 
 
@@ -194,6 +224,29 @@ def kernels_table(files: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def ramp_line(files: dict[str, dict]) -> str:
+    """The ramp at 128 in flight, one clause per row (the README's engine section; every row:
+    ``benchmarks/README.md``)."""
+    by = {r["variant"]: r for r in _newest(files, "serving") if _is_ramp(r) and "error" not in r["figures"]}
+    rows = [(name, by[f"ramp-128-{key}"]) for name, key in RAMP_ROWS if f"ramp-128-{key}" in by]
+    if not rows:
+        return "(not measured yet: `python -m benchmarks serving --variants ramp-128-declared,...`)"
+    parts = []
+    for name, r in rows:
+        f = r["figures"]
+        steady = f.get("steady_step_median_ms") or 0
+        longest = f"{f['wave1_longest_step_ms'] / steady:.1f}×" if steady and f.get("wave1_longest_step_ms") else "n/a"
+        parts.append(
+            f"{name} {f['wave1_over_wave2']:.2f} (longest step {longest} steady; "
+            f"{f['request_path_capture_s']:.1f}/{f['request_path_compile_s']:.1f} s capturing/compiling in calls; "
+            f"{f['triton_compiles_during_waves']} Triton compiles)"
+        )
+    return f"Wave 1 over wave 2, tok/s, 128 requests at once ({_stamp([rows[0][1]])}): " + "; ".join(parts) + "."
+
+
+RAMP_ROWS = (("op declared", "declared"), ("not declared", "undeclared"), ("warm restart", "declared-warm"))
+
+
 def startup_line(files: dict[str, dict]) -> str:
     rows = _newest(files, "startup")
     if not rows:
@@ -209,8 +262,8 @@ def startup_line(files: dict[str, dict]) -> str:
 
 #: file -> block name -> what writes it
 BLOCKS = {
-    "README.md": {"numbers": numbers_table, "kernels": kernels_table, "startup": startup_line},
-    "benchmarks/README.md": {"numbers": full_tables},
+    "README.md": {"numbers": numbers_table, "startup": startup_line, "ramp": ramp_line},
+    "benchmarks/README.md": {"numbers": full_tables, "kernels": kernels_table},
 }
 
 

@@ -59,12 +59,14 @@ from collections.abc import Iterator
 
 import torch
 
+from benchmarks import ramp
 from benchmarks.harness import Suite
 from toys import engine as toy
 
 VARIANTS = (
     "piecewise",
     "full-and-piecewise",
+    "full-and-piecewise-inline",
     "full-and-piecewise-all",
     "piecewise-paged",
     "eager",
@@ -106,6 +108,8 @@ def compiled(model, variant: str):
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
     options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
+    if variant == "full-and-piecewise-inline":  # the reference: a new size captured in the call that meets it
+        options["capture_behind"] = False
     if variant == "full-and-piecewise-all":
         options["eager_capture_sizes"] = "all"
     forward = torch.compile(model, backend="piecewise", options=options)
@@ -184,13 +188,19 @@ def graph_counts() -> dict:
     if "piecewise_backend" not in sys.modules:
         return {}
     import piecewise_backend
+    from piecewise_backend.kinds import Miss
 
     graphs = piecewise_backend.compiled_graphs()
     return {
         "captures": sum(g.stats.captures + g.stats.full_captures for g in graphs),
         "full_replays": sum(g.stats.full_replays for g in graphs),
         "piecewise_replays": sum(g.stats.piecewise_replays for g in graphs),
-        "full_fallbacks": sum(sum(g.stats.full_fallbacks.values()) for g in graphs),
+        # calls under cudagraph_mode("full") that ran piecewise: while their size was captured behind
+        # them (expected, once per size), and for any other reason
+        "full_while_behind": sum(g.stats.full_fallbacks[str(Miss.CAPTURING_BEHIND)] for g in graphs),
+        "full_fallbacks": sum(
+            n for g in graphs for r, n in g.stats.full_fallbacks.items() if r != Miss.CAPTURING_BEHIND
+        ),
         "ungraphed_runs": sum(g.stats.ungraphed_runs for g in graphs),
     }
 
@@ -324,6 +334,9 @@ def _ms(value: float | None) -> float | None:
 def rows(variant: str, args) -> Iterator[dict]:
     """In the child: the variant's rows as they come; a failure is a row saying how."""
     try:
+        if variant.startswith("ramp"):
+            yield from ramp.ramp(variant, args, sys.modules[__name__])
+            return
         yield from serve(args, variant)
         if variant in args.agreement_variants.split(","):
             torch._dynamo.reset()
@@ -369,11 +382,28 @@ def options(parser) -> None:
     parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64, 128])
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--agreement-variants", default="full-and-piecewise")
+    parser.add_argument("--ramp-prompt", type=int, default=PROMPT, help="ramp: tokens of each prompt")
+    parser.add_argument("--ramp-output", type=int, default=OUTPUT, help="ramp: new tokens of each request")
+
+
+def _env(variant: str, args) -> dict:
+    """Ramp rows: empty caches of their own, their Triton compiles counted (``ramp.py``)."""
+    return ramp.env(variant, args) if variant.startswith("ramp") else {}
+
+
+def _ramp_variants() -> tuple:
+    return tuple(
+        f"ramp-{n}-{declared}{how}"
+        for how in ("", "-inline", "-warm")
+        for declared in ("declared", "undeclared")
+        for n in (64, 128)
+        if not (how == "-warm" and declared == "undeclared")
+    ) + ("ramp-save",)
 
 
 # fmt: off
-SUITE = Suite("serving", "the serving engine: the seed's workload (TTFT, TPOT, ITL), a concurrency sweep beside its byte floor",
-              VARIANTS, rows, options, default=("full-and-piecewise", "piecewise"), timeout=420,
+SUITE = Suite("serving", "the serving engine: the seed's workload (TTFT, TPOT, ITL), a concurrency sweep beside its byte floor, a ramp",
+              VARIANTS + _ramp_variants(), rows, options, default=("full-and-piecewise", "piecewise"), timeout=420, env=_env,
               smoke=["--device", "cpu", "--config", "tiny", "--requests", "4", "--rate", "0", "--in-flight", "1,3",
                      "--max-num-tokens", "32", "--variants", "full-and-piecewise", "--agreement-variants", ""])
 # fmt: on

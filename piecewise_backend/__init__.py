@@ -15,7 +15,7 @@ from .backend import piecewise
 from .config import PiecewiseConfig
 from .kinds import CaptureHow, GraphMode, Miss, PieceKind
 from .observe.inspection import PieceInfo, SplitReport, debug_dump, inspect_split, report, reports
-from .observe.reports import capture_table, process_stats
+from .observe.reports import capture_table, explain, process_stats
 from .op_names import DEFAULT_SPLITTING_OPS
 from .persist.compile_behind import start_compile_workers
 from .persist.warm_start import load, preload, save
@@ -46,6 +46,7 @@ __all__ = [
     "release_graphs",
     "estimate_graph_memory",
     "process_stats",
+    "explain",
     "capture_table",
     "pool_bytes",
     "graph_memory_bytes",

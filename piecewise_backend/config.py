@@ -60,8 +60,10 @@ class PiecewiseConfig:
         clone_outputs: copy the graph's outputs out of the CUDA-graph pool, so a returned tensor
             survives the next call. Set False only if you copy the outputs yourself before the
             next call (saves one copy per output per step).
-        warmup_runs: eager runs of a piece before its first capture at a new shape (lets lazy
-            initialisation, e.g. cuBLAS workspaces and Triton autotuning, happen outside capture).
+        warmup_runs: eager runs of a piece before its first capture at a new shape when it is
+            captured inline (lets lazy initialisation, e.g. cuBLAS workspaces and Triton
+            autotuning, happen outside capture). Captures behind run none: the calls before them
+            ran every kernel already.
         capture_sizes: the batch sizes (leading dynamic size) that get graphs: a named scheme
             (``"default"``, ``"powers_of_two"``) or a list. Other sizes pad up to the next one.
         max_capture_size: the largest size of a scheme; sizes above the largest capture size run
@@ -77,9 +79,16 @@ class PiecewiseConfig:
         defer_captures: with lazy capture, a size that a larger captured graph can serve replays
             that graph, padded, until it has come back often enough to earn its own capture (4
             calls when that graph is more than twice its size, 64 within 2x;
-            ``runtime/capture_deferral.py``), and a size whose capture a budget refuses replays
+            ``runtime/capture/deferral.py``), and a size whose capture a budget refuses replays
             it too instead of running un-graphed. False: every size is captured the first time
             it is seen (each capture stalls its call: tens of ms on a deep model).
+        capture_behind: a new size's capture is made by a thread behind the call that first needs it,
+            never inside that call: the call replays the smallest larger captured graph it may pad
+            into, or runs un-graphed, and later calls of its size replay the new graph once it is in
+            (``runtime/capture/behind.py``). A capture behind runs no kernel (no warm-up run, no
+            replay), so it writes nothing a request reads. ``False``: the first call of a size
+            captures inline and replays at once (deterministic: tests, benchmarks' references).
+            Graphs with collectives (tensor parallel) always capture inline, every rank in step.
         max_graph_memory: cap, in bytes, on graph memory: the graph pool (as the CUDA allocator
             reports it) and the buffers the graph's captures copy their inputs into:
             a capture that would exceed it does not happen; that size replays a larger captured
@@ -135,6 +144,7 @@ class PiecewiseConfig:
     eager_capture_sizes: Any = ()
     lazy_capture: bool = True
     defer_captures: bool = True
+    capture_behind: bool = True
     max_graph_memory: int | None = None
     max_captured_sizes: int | None = None
     max_unreplayed_captures: int | None = 8
@@ -186,6 +196,7 @@ class PiecewiseConfig:
             "padding",
             "lazy_capture",
             "defer_captures",
+            "capture_behind",
             "capture_kv_writes",
             "graph_attention",
         ):

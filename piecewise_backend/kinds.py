@@ -41,13 +41,14 @@ class Miss(_Text):
     WEIGHTS_MOVED = "parameters at new addresses, past max_weight_sets"
     NEVER_REPLAYED = "a new shape while the shapes captured before were never replayed"
     MODE_NONE = "cudagraph_mode('none') around the call"
-    CAPTURING_BEHIND = "the first call, served while eager_capture_sizes are captured behind it"
+    CAPTURING_BEHIND = "its size's graph is being captured behind the call"
 
 
 class CaptureHow(_Text):
     """How a shape key came to be captured (``CaptureEvent.how``)."""
 
     LAZY = "lazy"  # the first call at that size captured it
+    BEHIND = "behind"  # by the capture thread, behind the call that first needed it (capture_behind)
     UP_FRONT = "up-front"  # before a call needed it: eager_capture_sizes or capture()
     EAGER = "up-front"  # the old name, an alias ("eager" means un-graphed: PieceKind.EAGER)
 

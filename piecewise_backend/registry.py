@@ -8,13 +8,13 @@ stats and reports name a graph by its serial.
 from __future__ import annotations
 
 import itertools
-import time
 import warnings
 import weakref
 from collections.abc import Iterable
 
 import torch
 
+from .runtime.capture import wait_for_captures as _captures_done
 from .runtime.devices import device_index, pool_bytes, synchronize
 from .runtime.memory_estimate import estimate
 
@@ -51,15 +51,11 @@ def capture(sizes: Iterable[int] | str = "all") -> dict[int, list[tuple]]:
 
 
 def wait_for_captures(timeout: float | None = None) -> bool:
-    """Wait until every live graph's ``eager_capture_sizes`` (captured in a thread behind its first
-    call) are captured; True if they were within ``timeout`` seconds (a server need not wait: calls
-    meanwhile replay what is captured, or capture their own size)."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    for graph in compiled_graphs():
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not graph.wait_for_captures(left):
-            return False
-    return True
+    """Wait until the captures made behind the calls are in: sizes calls met (``capture_behind``)
+    and ``eager_capture_sizes``; True if none is left after ``timeout`` seconds (None: no limit).
+    A server need not wait: calls meanwhile replay what is captured, ride a larger graph, or run
+    un-graphed. Tests and benchmarks wait, to know what the next call will replay."""
+    return _captures_done(None, timeout)
 
 
 def _able_to_capture() -> tuple[list, str]:
@@ -109,6 +105,7 @@ def release_graphs() -> int:
     seen with torch 2.11 on two H200s). Call this before destroying the process group. The graph
     pool's memory stays reserved for later captures.
     """
+    _captures_done(None)  # no capture being recorded behind the calls meanwhile (its graph would outlive this)
     graphs = compiled_graphs()
     devices = {g.device for g in graphs if g.captured and g.device.type == "cuda"}
     for device in devices:  # no graph is destroyed while a replay of it may still be running

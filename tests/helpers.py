@@ -14,6 +14,11 @@ from toys.models import decode_loop, reset_caches
 # off so that they keep testing that path whatever the default is (``graph_attention`` makes the
 # decode step one graph).
 SPLIT_ATTENTION = {"graph_attention": False}
+# Options for tests of what a capture does, not of when it is made: the call that meets a size
+# captures it (``capture_behind=False``), so what one call leaves is known when it returns. The
+# default, captures behind the calls, is tested in ``test_capture_behind.py`` and wherever a test
+# waits for the capture thread (``piecewise_backend.wait_for_captures()``).
+INLINE = {"capture_behind": False}
 
 
 def compile_with_reference(model_cls, cfg, options, device="cpu"):
@@ -145,3 +150,12 @@ class Encoder(torch.nn.Module):
         q, k, v = (t.view(B, S, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.out(o.transpose(1, 2).reshape(B, S, H))
+
+
+def graphed_but_behind(stats) -> bool:
+    """Every call was graphed but those served while their size was captured behind them (the
+    default, ``capture_behind``: such a call runs un-graphed when no larger graph can serve it), and
+    no capture failed."""
+    from piecewise_backend.kinds import Miss
+
+    return stats.failed_captures == 0 and set(stats.misses) <= {Miss.CAPTURING_BEHIND}

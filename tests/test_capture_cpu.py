@@ -8,7 +8,6 @@ The same scenarios run with real graphs in test_cuda_capture.py.
 """
 
 import dataclasses
-import threading
 import warnings
 
 import pytest
@@ -19,6 +18,7 @@ from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama
 
 from .helpers import (
+    INLINE,
     SPLIT_ATTENTION,
     Encoder,
     assert_results_close,
@@ -85,25 +85,18 @@ def test_eager_sizes_captured_largest_first_behind_the_first_call(padded_run):
     assert set(behind) <= {0, 1} and sum(behind) >= 1, behind
 
 
-def test_calls_go_on_un_graphed_and_right_while_eager_sizes_are_captured_behind_them(monkeypatch):
-    from piecewise_backend.runtime.compiled_graph import CompiledGraph
+def test_calls_go_on_un_graphed_and_right_while_eager_sizes_are_captured_behind_them():
+    from piecewise_backend.runtime.call_guard import call_guard
 
     compiled, reference, start = _compile(
         ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [1, 2, 4, 8], "eager_capture_sizes": "all"}
     )
-    release, original = threading.Event(), CompiledGraph.capture
-
-    def held(self, sizes):  # the capture thread waits here until the calls below are done
-        assert release.wait(60)
-        return original(self, sizes)
-
-    monkeypatch.setattr(CompiledGraph, "capture", held)
     with torch.no_grad():
-        before = decode_at_sizes(compiled, reference, (3, 5, 2), wait_for_captures=False)
-        graphs = _padded_graphs(start)
-        assert all(g.captured == set() for g in graphs)  # nothing yet: no call waited for a capture
-        assert sum(g.stats.misses[Miss.CAPTURING_BEHIND] for g in graphs) == sum(g.stats.calls for g in graphs)
-        release.set()
+        with call_guard(torch.device("cpu")).capture_lock:  # the capture thread waits here meanwhile
+            before = decode_at_sizes(compiled, reference, (3, 5, 2), wait_for_captures=False)
+            graphs = _padded_graphs(start)
+            assert all(g.captured == set() for g in graphs)  # nothing yet: no call waited for a capture
+            assert sum(g.stats.misses[Miss.CAPTURING_BEHIND] for g in graphs) == sum(g.stats.calls for g in graphs)
         assert piecewise_backend.wait_for_captures(timeout=120)
         assert all(g.captured == {(1,), (2,), (4,), (8,)} for g in graphs)
         after = decode_at_sizes(compiled, reference, (3, 5, 2), seed=1, start_pos=6)
@@ -207,7 +200,7 @@ def test_a_graph_that_reduces_over_the_batch_is_never_padded():
     torch._dynamo.reset()
     start = last_serial()
     net = BatchNormalised().eval()
-    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": [2, 4, 8]})
+    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": [2, 4, 8], **INLINE})
     with torch.no_grad():
         for size in (3, 3, 4, 4, 5):
             x = torch.randn(size, 16)
@@ -231,14 +224,14 @@ def test_explicit_capture_and_its_errors():
         assert graph.capture([8, 4, 2]) == [(8,), (4,)]  # 2 was captured by the call
         assert_results_close(decode_at_sizes(compiled, reference, (7, 4), start_pos=2))
     assert graph.captured == {(2,), (4,), (8,)}
-    assert [e.how for e in graph.stats.events] == ["lazy", "up-front", "up-front"]
+    assert [e.how for e in graph.stats.events] == ["behind", "up-front", "up-front"]
 
 
 def test_capture_after_an_inference_mode_warm_up_fails_at_no_size():
     """A server warms up under ``inference_mode``, then captures up front and serves under ``no_grad``:
     the buffers captures copy inputs into take copies in every mode (made in inference mode, they
     refused them: every up-front capture failed, and on CUDA each retired its pool)."""
-    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, "capture_sizes": [2, 4, 8]})
+    compiled, reference, start = _compile(ToyLlama, {**SPLIT_ATTENTION, **INLINE, "capture_sizes": [2, 4, 8]})
     with torch.inference_mode():  # the largest size first, as a warm-up goes: later sizes reuse its buffers
         first = decode_at_sizes(compiled, reference, (3, 8), steps=1)
     graph = _padded_graphs(start)[-1]

@@ -6,9 +6,11 @@ import torch
 from piecewise_backend import PiecewiseConfig
 from piecewise_backend.config import scheme_sizes
 from piecewise_backend.kinds import Miss
-from piecewise_backend.runtime import capture_deferral, capture_traffic, memory_estimate
-from piecewise_backend.runtime.capture_policy import CapturePolicy, Route
-from piecewise_backend.runtime.capture_traffic import CaptureTraffic
+from piecewise_backend.runtime import memory_estimate
+from piecewise_backend.runtime.capture import deferral as capture_deferral
+from piecewise_backend.runtime.capture import traffic as capture_traffic
+from piecewise_backend.runtime.capture.policy import CapturePolicy, Route
+from piecewise_backend.runtime.capture.traffic import CaptureTraffic
 from piecewise_backend.runtime.memory_estimate import GraphMemoryEstimate, fit
 
 

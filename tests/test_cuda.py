@@ -8,7 +8,7 @@ import torch
 import piecewise_backend
 from toys.models import ToyConfig, ToyLlama, init_weights_, sdpa_backends
 
-from .helpers import SPLIT_ATTENTION, assert_close_steps, graphs_since, last_serial, llama_decode
+from .helpers import INLINE, SPLIT_ATTENTION, assert_close_steps, graphs_since, last_serial, llama_decode
 
 pytestmark = pytest.mark.cuda
 CFG = ToyConfig(layers=3, max_batch=8)
@@ -21,7 +21,7 @@ def cuda_run():
     start = last_serial()
     model = init_weights_(ToyLlama(CFG)).cuda().eval()
     # each size captured on first sight: these tests count captures per batch size
-    compiled = torch.compile(model, backend="piecewise", options={"defer_captures": False})
+    compiled = torch.compile(model, backend="piecewise", options={**INLINE, "defer_captures": False})
     runs = []
     with torch.no_grad(), sdpa_backends("cuda"):
         for batch in BATCH_SEQUENCE:
@@ -83,7 +83,7 @@ def test_returned_output_survives_next_call(cuda_run):
 def test_clone_outputs_false_aliases_the_pool():
     torch._dynamo.reset()
     model = init_weights_(ToyLlama(CFG)).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"clone_outputs": False})
+    compiled = torch.compile(model, backend="piecewise", options={**INLINE, "clone_outputs": False})
     with torch.no_grad(), sdpa_backends("cuda"):
         llama_decode(compiled, model, 2, 5, 3, device="cuda")
         a = compiled(torch.randint(0, CFG.vocab, (2, 1), device="cuda"), 9)
@@ -94,7 +94,7 @@ def test_clone_outputs_false_aliases_the_pool():
 def test_cudagraphs_off_runs_ungraphed_with_same_results():
     torch._dynamo.reset()
     model = init_weights_(ToyLlama(CFG)).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"cudagraphs": False})
+    compiled = torch.compile(model, backend="piecewise", options={**INLINE, "cudagraphs": False})
     with torch.no_grad(), sdpa_backends("cuda"):
         assert_close_steps(
             llama_decode(compiled, model, 2, 5, 4, device="cuda"),
@@ -111,7 +111,7 @@ def test_sixteen_layers_capture_per_batch_size():
     start = last_serial()
     cfg = ToyConfig(layers=16, hidden=64, max_batch=8)
     model = init_weights_(ToyLlama(cfg)).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise", options=SPLIT_ATTENTION)
+    compiled = torch.compile(model, backend="piecewise", options={**INLINE, **SPLIT_ATTENTION})
     with torch.no_grad(), sdpa_backends("cuda"):
         for batch in (2, 4, 8, 4):
             assert_close_steps(
@@ -135,7 +135,7 @@ def test_a_sixteen_layer_decode_step_is_one_graph_of_three_compiles():
     torch._dynamo.reset()
     start = last_serial()
     model = init_weights_(ToyLlama(ToyConfig(layers=16, hidden=64, max_batch=8))).cuda().eval()
-    compiled = torch.compile(model, backend="piecewise", options={"defer_captures": False})
+    compiled = torch.compile(model, backend="piecewise", options={**INLINE, "defer_captures": False})
     with torch.no_grad():
         for batch in (2, 4, 2):
             assert_close_steps(
@@ -171,7 +171,7 @@ def test_capture_failure_falls_back_loudly():
             return self.lin(host_sync_scale(self.lin(x)))
 
     net = Net().cuda().eval()
-    compiled = torch.compile(net, backend="piecewise")
+    compiled = torch.compile(net, backend="piecewise", options=INLINE)
     x = torch.randn(4, 16, device="cuda")
     with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -188,7 +188,7 @@ def test_capture_failure_falls_back_loudly():
     torch.rand(8, device="cuda").sum().item()
     torch._dynamo.reset()
     fresh = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).cuda().eval()
-    compiled_fresh = torch.compile(fresh, backend="piecewise")
+    compiled_fresh = torch.compile(fresh, backend="piecewise", options=INLINE)
     with torch.no_grad():
         for _ in range(3):
             torch.testing.assert_close(compiled_fresh(x), fresh(x))

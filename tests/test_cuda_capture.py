@@ -12,6 +12,7 @@ from piecewise_backend.runtime.devices import device_graphs
 from toys.models import ToyConfig, ToyLlama, ToyStaticCacheLlama, sdpa_backends
 
 from .helpers import (
+    INLINE,
     Encoder,
     assert_results_close,
     busiest_graph,
@@ -29,7 +30,7 @@ TOL = {"atol": 2e-3, "rtol": 2e-3}
 
 
 def _compile(model_cls, options):
-    return compile_with_reference(model_cls, CFG, options, device="cuda")
+    return compile_with_reference(model_cls, CFG, {**INLINE, **options}, device="cuda")
 
 
 def _buckets(sizes, capture_sizes):
@@ -146,7 +147,7 @@ def test_full_mode_pads_a_graph_safe_model_at_every_size():
     torch._dynamo.reset()
     start = last_serial()
     net = Encoder().cuda().eval()
-    compiled = torch.compile(net, backend="piecewise", options={"mode": "full", "max_capture_size": MAX})
+    compiled = torch.compile(net, backend="piecewise", options={**INLINE, "mode": "full", "max_capture_size": MAX})
     with torch.no_grad():
         for size in SIZES[1:]:
             for _ in range(2):

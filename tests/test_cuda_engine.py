@@ -13,7 +13,7 @@ import torch
 import piecewise_backend
 from toys import engine as toy
 
-from .helpers import graphs_since, last_serial
+from .helpers import graphed_but_behind, graphs_since, last_serial
 
 pytestmark = pytest.mark.cuda
 SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
@@ -54,9 +54,7 @@ def test_the_engine_compiled_gives_eager_tokens_and_replays(op, options):
     assert got == expected
     graphs = graphs_since(start)
     assert sum(g.stats.replays for g in graphs) > 0
-    assert all(g.stats.failed_captures == 0 and g.stats.ungraphed_runs == 0 for g in graphs), [
-        g.stats.summary() for g in graphs
-    ]
+    assert all(graphed_but_behind(g.stats) for g in graphs), [g.stats.summary() for g in graphs]
 
 
 def test_an_undeclared_untagged_attention_op_warns_naming_it_and_hands_the_pool_back():

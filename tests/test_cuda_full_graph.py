@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 import piecewise_backend
+from piecewise_backend.kinds import Miss
 from toys import engine as toy
 
-from .helpers import graphs_since, last_serial
+from .helpers import graphed_but_behind, graphs_since, last_serial
 
 pytestmark = pytest.mark.cuda
 SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
@@ -51,9 +52,9 @@ def test_the_engine_with_full_decode_graphs_gives_the_eager_engines_tokens(cfg):
     assert got == expected
     graphs = graphs_since(start)
     assert sum(g.stats.full_replays for g in graphs) > 0 and sum(g.stats.piecewise_replays for g in graphs) > 0
-    assert all(not g.stats.full_fallbacks and g.stats.ungraphed_runs == 0 for g in graphs), [
-        g.stats.summary() for g in graphs
-    ]
+    assert all(
+        set(g.stats.full_fallbacks) <= {Miss.CAPTURING_BEHIND} and graphed_but_behind(g.stats) for g in graphs
+    ), [g.stats.summary() for g in graphs]
     padded = [s.num_tokens for s in engine.steps if s.num_prefill_tokens == 0 and s.num_tokens in (3, 5, 6)]
     assert padded, "the trace has decode batches that pad"
 

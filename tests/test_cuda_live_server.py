@@ -12,7 +12,7 @@ import torch
 
 from toys.neighbour import Neighbour
 
-from .helpers import graphs_since, last_serial
+from .helpers import graphed_but_behind, graphs_since, last_serial
 from .test_live_server import Mlp, TwoBlocks, _serving_calls, compiled_serving_model
 
 pytestmark = pytest.mark.cuda
@@ -119,7 +119,7 @@ def test_dynamic_true_graphs_the_serving_model_and_keys_its_python_floats():
     graphs = graphs_since(start)
     for graph in graphs:
         assert graph.stats.graphs_disabled_reason is None, graph.stats.summary()
-        assert graph.stats.ungraphed_runs == 0, graph.stats.summary()
+        assert graphed_but_behind(graph.stats), graph.stats.summary()
     # Either the floats are graph inputs and their values end the shape key, or Dynamo specialised
     # them (its scalar-tensorify pass restarts with a constant; seen on the H200 in one process of
     # two): then the new eps is a graph of its own. Both replay; the outputs above are eager's.

@@ -18,7 +18,7 @@ from piecewise_backend.kinds import GraphMode, Miss
 from piecewise_backend.runtime import emulation
 from toys.engine import ATTENTION, TAGGED_ATTENTION, TINY, Engine, EngineModel, Request, seeded_trace
 
-from .helpers import graphs_since, last_serial
+from .helpers import INLINE, graphs_since, last_serial
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
@@ -73,7 +73,8 @@ def test_decode_steps_replay_full_graphs_and_give_the_eager_engines_tokens(decla
     assert len(decode_sizes) >= 3, decode_sizes
     graphs = declared["graphs"]
     assert sum(g.stats.full_replays for g in graphs) > 0 and sum(g.stats.piecewise_replays for g in graphs) > 0
-    assert all(not g.stats.full_fallbacks and not g.stats.full_failures for g in graphs), [
+    # a call whose size's full graph is being captured behind it runs piecewise meanwhile, nothing else
+    assert all(set(g.stats.full_fallbacks) <= {Miss.CAPTURING_BEHIND} and not g.stats.full_failures for g in graphs), [
         g.stats.summary() for g in graphs
     ]
     graph = _dynamic(declared)
@@ -92,9 +93,9 @@ def test_an_undeclared_opaque_op_refuses_full_padding_naming_it_and_sizes_are_ca
     graph = _dynamic(undeclared)
     note = graph.stats.full_padding
     assert "engine::attention" in note and "row_independent_ops" in note and "captured as it is" in note
-    assert set(graph.stats.full_keys) == {
-        (n,) for (mode, n), _ in graph.stats.graph_calls.items() if mode == GraphMode.FULL
-    }  # each size its own graph, none padded
+    assert {(n,) for (mode, n), _ in graph.stats.graph_calls.items() if mode == GraphMode.FULL} <= set(
+        graph.stats.full_keys
+    )  # each size its own graph, none padded
     # piecewise graphs still pad: the op runs eagerly between them at the step's own size
     assert "padded up to the next capture size" in graph.stats.padding
 
@@ -170,6 +171,7 @@ def toy():
             "extra_splitting_ops": ["full_test::scaled"],
             "row_independent_ops": ["full_test::scaled"],
             "defer_captures": False,
+            **INLINE,  # these count what each call replays or captures
         },
     )
     x = torch.randn(5, 4)

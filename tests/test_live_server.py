@@ -18,9 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from piecewise_backend.runtime import capture_retries
+import piecewise_backend
+from piecewise_backend.kinds import Miss
+from piecewise_backend.runtime.capture import retries as capture_retries
 
-from .helpers import graphs_since, last_serial
+from .helpers import INLINE, graphs_since, last_serial
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 _SINK = io.StringIO()
@@ -118,6 +120,7 @@ def _serving_calls(compiled, reference, sizes, device="cpu", tol=None):
             msg=lambda m: f"{n} tokens: {m}",
             **({"atol": tol, "rtol": tol} if tol else {}),
         )
+        piecewise_backend.wait_for_captures()  # what the call handed to the capture thread, in before the next
 
 
 def compiled_serving_model(device="cpu"):
@@ -139,7 +142,7 @@ def test_dynamic_true_on_a_fused_qkv_split_around_a_custom_attention_op_compiles
     _serving_calls(compiled, model, (3, 5, 8, 5, 3))
     graph = graphs_since(start)[-1]
     assert graph.stats.num_compute_pieces == 2, [str(p) for p in graph.pieces]  # before and after the op
-    assert _replays(start) > 0 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    assert _replays(start) > 0 and set(graph.stats.misses) <= {Miss.CAPTURING_BEHIND}, graph.stats.summary()
     # the float eps, a CPU scalar under dynamic=True, is a value of the key, not a device input (or a
     # constant of the graph: Dynamo's scalar-tensorify pass sometimes restarts with it specialised)
     floats = {round(v, 9) for key in graph.stats.captured_keys for v in key if isinstance(v, float)}
@@ -247,7 +250,8 @@ def _compiled_mlp(noise: bool = False):
     start = last_serial()
     torch.manual_seed(0)
     model = Mlp(noise).eval()
-    return model, torch.compile(model, backend="piecewise", options={"capture_sizes": [4, 8]}), start
+    # inline: these tests break the call's own capture (captures behind: test_capture_behind.py)
+    return model, torch.compile(model, backend="piecewise", options={"capture_sizes": [4, 8], **INLINE}), start
 
 
 def test_a_piece_whose_compiled_code_raises_runs_its_traced_code_and_says_so():
@@ -279,7 +283,7 @@ def test_a_piece_whose_compiled_code_raises_runs_its_traced_code_and_says_so():
 
 def test_a_failed_capture_is_tried_again_after_a_few_calls_and_then_replays(monkeypatch):
     model, compiled, start = _compiled_mlp()
-    from piecewise_backend.runtime import piece_capture
+    from piecewise_backend.runtime.capture import piece as piece_capture
 
     real, failures = piece_capture.EmulatedGraph, []
 
@@ -310,7 +314,7 @@ def test_pieces_that_draw_random_numbers_are_known_at_compile_time():
 
 def test_a_failed_capture_warns_and_never_raises_where_eager_does_not(monkeypatch):
     model, compiled, start = _compiled_mlp()
-    from piecewise_backend.runtime import piece_capture
+    from piecewise_backend.runtime.capture import piece as piece_capture
 
     def always_fails(*args):
         raise RuntimeError("operation not permitted when stream is capturing")

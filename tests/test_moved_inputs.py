@@ -13,6 +13,7 @@ import warnings
 import pytest
 import torch
 
+import piecewise_backend
 from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama
 
@@ -60,6 +61,7 @@ def _calls(compiled, net, sizes=(3, 4)):
         x = torch.randn(size, 16)
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), net(x))
+        piecewise_backend.wait_for_captures()  # its size's graphs (captured behind it) in before the next call
 
 
 def test_load_state_dict_assign_recaptures_and_never_writes_the_old_parameters():
@@ -162,7 +164,7 @@ def test_a_replaced_kv_cache_gets_graphs_that_write_the_new_one():
 def test_the_per_call_address_check_sees_a_weight_moved_through_data(device):
     """``WeightSets.unchanged``, the check every call makes: torch's C++ comparison on CUDA builds
     (the Python tuple elsewhere). Only the parameters'/buffers' addresses count."""
-    from piecewise_backend.runtime.weight_sets import WeightSets
+    from piecewise_backend.runtime.capture.weight_sets import WeightSets
 
     weight, buffer = torch.zeros(4, device=device), torch.zeros(4, device=device)
     args = (weight, 3, buffer, torch.ones(2, device=device))

@@ -11,10 +11,11 @@ import copy
 import pytest
 import torch
 
+import piecewise_backend
 from piecewise_backend.kinds import Miss
 from toys.models import ToyConfig, ToyLlama
 
-from .helpers import assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
+from .helpers import INLINE, assert_results_close, busiest_graph, compile_with_reference, decode_at_sizes, last_serial
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 SIZES = [2, 4, 8]
@@ -31,6 +32,7 @@ def _run_at_sizes(net, sizes, options=None, width=16):
         x = torch.randn(size, width, generator=g)
         torch._dynamo.mark_dynamic(x, 0)
         torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5, msg=lambda m: f"batch {size}: {m}")
+        piecewise_backend.wait_for_captures()  # the sizes each call met, captured before the next call
     graph = busiest_graph(start)
     return graph
 
@@ -202,7 +204,8 @@ def test_a_kv_length_in_a_compute_piece_stops_capturing_and_says_why(recwarn):
     torch._dynamo.reset()
     start = last_serial()
     net = MatmulAttention().eval()
-    compiled = torch.compile(net, backend="piecewise", options={"capture_sizes": SIZES, "max_unreplayed_captures": 4})
+    options = {"capture_sizes": SIZES, "max_unreplayed_captures": 4, **INLINE}  # counts what each call captured
+    compiled = torch.compile(net, backend="piecewise", options=options)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 1, 16, generator=g)
     torch._dynamo.mark_dynamic(x, 0)  # the batch pads; the KV length is exact: a shape key per length

@@ -13,11 +13,12 @@ import pytest
 import torch
 from torch import nn
 
+import piecewise_backend
 from piecewise_backend.kinds import PieceKind
 from toys.idioms import WholeCacheLlama
 from toys.models import ToyConfig, init_weights_
 
-from .helpers import busiest_graph, last_serial, program_nodes
+from .helpers import busiest_graph, graphed_but_behind, last_serial, program_nodes
 
 CFG = ToyConfig(layers=2, max_batch=4, max_seq=32)
 
@@ -34,6 +35,7 @@ def _decode(model, compiled, batch: int, prompt: int, steps: int, device: str):
     with torch.no_grad():
         for _ in range(steps + 1):
             pairs.append((compiled(ids, t).clone(), reference(ids, t).clone()))
+            piecewise_backend.wait_for_captures()  # what the step handed to the capture thread, in before the next
             t += ids.shape[1]
             ids = pairs[-1][1][:, -1:].argmax(-1)
             torch._dynamo.maybe_mark_dynamic(ids, 0)  # as a server does; the caches pin it to their rows
@@ -53,7 +55,7 @@ def test_whole_cache_llama_matches_eager(device, graph_attention, emulated_graph
     for (name, mine), (_, theirs) in zip(model.named_buffers(), reference.named_buffers()):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4, msg=lambda m: f"{name}: {m}")
     graph = busiest_graph(start)
-    assert graph.stats.replays > 0 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    assert graph.stats.replays > 0 and graphed_but_behind(graph.stats), graph.stats.summary()
     kinds = [p.kind for p in graph.pieces]
     if graph_attention:  # writes, attention and positions all in the graph: one piece
         assert kinds == [PieceKind.COMPUTE], graph.stats.summary()

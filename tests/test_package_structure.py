@@ -389,52 +389,68 @@ def test_run_time_reads_no_config_and_evaluates_no_plan_method():
     assert evaluating == []
 
 
-# -- one home for capture decisions ------------------------------------------------------------------
+# -- the capture machinery: one room, one door, one decider ---------------------------------------
 
-#: The modules that state a per-call rule (sizes and budget, deferral, retries, traffic, ranks'
-#: agreement, weight sets) and the words a rule is spoken in. Only ``capture_decisions.py`` asks
-#: the rules; the executors (the compiled graph, full graphs, up-front capture) do what it says.
-DECISION_RULES = {"capture_policy", "capture_deferral", "capture_retries", "capture_traffic", "weight_sets"}
-DECIDER = "piecewise_backend.runtime.capture_decisions"
+CAPTURE = "piecewise_backend.runtime.capture"
+#: The modules that state a per-call rule (sizes and budget, deferral, retries, traffic, weight
+#: sets) and the words a rule is spoken in. Only ``decisions.py`` asks the rules; the executors (the
+#: compiled graph, full graphs, up-front capture, the capture thread) do what it says.
+DECISION_RULES = {"policy", "deferral", "retries", "traffic", "weight_sets"}
+DECIDER = f"{CAPTURE}.decisions"
 
 
 def decision_rule_importers(graph: dict[str, set[str]]) -> list[str]:
     """``a -> b`` for each run-time module other than the decider (and the rules' own modules)
-    that imports a rule module for more than the :class:`Route` value it is told."""
-    rules = {f"piecewise_backend.runtime.{r}" for r in DECISION_RULES}
+    that imports a rule module."""
+    rules = {f"{CAPTURE}.{r}" for r in DECISION_RULES}
     found = []
     for module, imported in sorted(graph.items()):
-        if module == DECIDER or module in rules or not module.startswith("piecewise_backend.runtime"):
+        if module in (DECIDER, CAPTURE) or module in rules or not module.startswith("piecewise_backend.runtime"):
             continue
         found += [f"{module} -> {t}" for t in sorted(imported & rules)]
     return found
 
 
+def test_the_capture_machinery_is_one_folder_entered_through_its_package():
+    graph = _graph()
+    rooms = {m for m in graph if m.startswith(CAPTURE + ".")}
+    assert {f"{CAPTURE}.{r}" for r in (*DECISION_RULES, "decisions", "piece", "up_front", "behind")} <= rooms
+    through_a_side_door = [
+        f"{m} -> {t}"
+        for m, imported in sorted(graph.items())
+        if not m.startswith(CAPTURE)
+        for t in sorted(imported)
+        if t.startswith(CAPTURE + ".")
+    ]
+    assert through_a_side_door == []
+    assert not any(m.startswith(CAPTURE) for m in graph["piecewise_backend.runtime.piece_runner"] - {CAPTURE})
+    # the runner and the capture of its pieces import nothing of each other but the entry, types included
+    piece_imports = _graph(type_only=True)[f"{CAPTURE}.piece"]
+    assert "piecewise_backend.runtime.piece_runner" not in piece_imports
+
+
 def test_only_the_decider_asks_the_capture_rules():
     graph = _graph()
-    assert {f"piecewise_backend.runtime.{r}" for r in ("capture_policy", "capture_traffic", "weight_sets")} <= graph[
-        DECIDER
-    ]
-    allowed = {"piecewise_backend.runtime.full_graph -> piecewise_backend.runtime.capture_policy"}  # Route, a value
-    assert set(decision_rule_importers(graph)) - allowed == set()
+    assert {f"{CAPTURE}.{r}" for r in ("policy", "traffic", "weight_sets")} <= graph[DECIDER]
+    assert decision_rule_importers(graph) == []
     code = {t for _, t in _code_without_strings(PACKAGE / "runtime" / "compiled_graph.py")}  # names, not prose
     rule_words = {"Miss", "CapturePolicy", "_retries", "_traffic", "agreed_refusal", "WeightSet", "is_grad_enabled"}
     assert code & rule_words == set(), "compiled_graph.py states a rule"
 
 
-def test_the_decider_check_names_a_compiled_graph_that_asks_a_rule_itself():
-    """What the check says of the ``compiled_graph.py`` of ``dda5f7c`` (it asked retries and traffic inline)."""
+def test_the_decider_check_names_a_module_that_asks_a_rule_itself():
+    """What the check says of a ``compiled_graph.py`` that asked retries and traffic inline (``dda5f7c``)."""
     graph = {
         "piecewise_backend.runtime.compiled_graph": {
-            "piecewise_backend.runtime.capture_retries",
-            "piecewise_backend.runtime.capture_traffic",
+            f"{CAPTURE}.retries",
+            f"{CAPTURE}.traffic",
             "piecewise_backend.runtime.stats",
         },
-        DECIDER: {"piecewise_backend.runtime.capture_policy"},
+        DECIDER: {f"{CAPTURE}.policy"},
     }
     assert decision_rule_importers(graph) == [
-        "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_retries",
-        "piecewise_backend.runtime.compiled_graph -> piecewise_backend.runtime.capture_traffic",
+        f"piecewise_backend.runtime.compiled_graph -> {CAPTURE}.retries",
+        f"piecewise_backend.runtime.compiled_graph -> {CAPTURE}.traffic",
     ]
 
 

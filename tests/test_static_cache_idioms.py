@@ -12,7 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from .helpers import busiest_graph, last_serial
+import piecewise_backend
+
+from .helpers import busiest_graph, graphed_but_behind, last_serial
 
 pytestmark = pytest.mark.usefixtures("emulated_graphs")
 
@@ -158,9 +160,10 @@ def test_caches_the_caller_passes_are_written_in_the_graph_through_their_first_r
             torch.testing.assert_close(
                 compiled(x, *mine, pos), model(x, *theirs, pos), atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}"
             )
+            piecewise_backend.wait_for_captures()  # a size met is captured (behind) before the next step
     for a, b in zip(mine, theirs):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)  # written in place, only the callers' rows
     graph = busiest_graph(start)
-    assert graph.stats.num_pieces == 1 and graph.stats.ungraphed_runs == 0, graph.stats.summary()
+    assert graph.stats.num_pieces == 1 and graphed_but_behind(graph.stats), graph.stats.summary()
     assert graph.stats.replays > 0 and graph.stats.weight_sets == 1, graph.stats.summary()
     assert (3,) not in graph.captured and (4,) in graph.captured  # batch 3 replayed the graph of 4, padded

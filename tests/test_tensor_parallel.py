@@ -34,7 +34,7 @@ def _free_port() -> int:
 def _fail_capture_at(key: tuple, nth: int) -> None:
     """Make this process's ``nth`` piece capture at ``key`` fail once the graph is built (where a
     CUDA capture fails: after the warm-up, at capture), as a capture error on one rank only would."""
-    from piecewise_backend.runtime import piece_capture
+    from piecewise_backend.runtime.capture import piece as piece_capture
 
     record, seen = piece_capture._record_graph, []
 

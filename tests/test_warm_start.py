@@ -56,7 +56,10 @@ LOADER = textwrap.dedent("""
     with torch.no_grad(), piecewise_backend.emulated_graphs(), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fn = piecewise_backend.load(sys.argv[2], model.forward)
-        outputs = [fn(torch.full((n, 16), 0.1 * n, device=device)).tolist() for n in (4, 3, 7, 4)]
+        outputs = []
+        for n in (4, 3, 7, 4):  # each size met captured behind the call, in before the next call
+            outputs.append(fn(torch.full((n, 16), 0.1 * n, device=device)).tolist())
+            piecewise_backend.wait_for_captures()
     graphs = piecewise_backend.compiled_graphs()
     print(json.dumps({"outputs": outputs, "frames": sum(counters["frames"].values()),
                       "preloaded": fn.load_seconds.get("preloaded", False),
@@ -88,7 +91,10 @@ def _save(model_dir, compiler: str, device="cpu"):
     path = str(model_dir / f"block-{compiler}.bin")
     with torch.no_grad(), emulated_graphs():
         fn = piecewise_backend.save(model.forward, (example,), path, options={"compiler": compiler})
-        outputs = [fn(torch.full((n, 16), 0.1 * n, device=device)).tolist() for n in (4, 3, 7, 4)]
+        outputs = []
+        for n in (4, 3, 7, 4):  # each size met captured behind the call, in before the next call
+            outputs.append(fn(torch.full((n, 16), 0.1 * n, device=device)).tolist())
+            piecewise_backend.wait_for_captures()
         for got, n in zip(outputs, (4, 3, 7, 4)):
             torch.testing.assert_close(
                 torch.tensor(got, device=device), model(torch.full((n, 16), 0.1 * n, device=device))

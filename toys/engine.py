@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import piecewise_backend
-from piecewise_backend.ops import paged_cache_write, paged_decode_attention
+from piecewise_backend.ops import capturing, paged_cache_write, paged_decode_attention
 
 __all__ = [
     "EngineConfig",
@@ -154,15 +154,6 @@ def _varlen():
 _VARLEN_ATTN = _varlen()
 
 
-def _capturing(q: torch.Tensor) -> bool:
-    """Inside a CUDA capture (or the backend's emulated one on CPU, so CPU tests see what a GPU does)."""
-    if q.is_cuda:
-        return torch.cuda.is_current_stream_capturing()
-    from piecewise_backend.runtime import emulation
-
-    return emulation.capturing()
-
-
 def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, layer: int) -> None:
     """Write this step's keys and values into the pages, attend over each request's keys.
 
@@ -172,7 +163,7 @@ def _attention_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torc
     meta = _CONTEXT.get()
     if isinstance(meta, DecodeMetadata):
         return _decode_attention(q, k, v, out, layer, meta)
-    if _capturing(q):
+    if capturing(q):  # inside a CUDA capture (or the backend's emulated one on CPU, for its tests)
         raise RuntimeError(
             f"{ATTENTION} reads per-step metadata from the engine's forward context and "
             f"must not be captured in a CUDA graph"
@@ -511,11 +502,13 @@ class Engine:
         """What an engine does before it serves (vLLM's dummy runs): one step at the full token budget
         and one decode step of a single token, so that compiling happens here, not at the first
         request. They run un-graphed (``cudagraph_mode("none")``): nothing is captured before the
-        first request, which captures the sizes it needs as they come (a warm start from a saved
-        artifact then serves at once). ``capture``: the dummy steps capture their own sizes too
-        (start-up pays for graphs the traffic may never use). ``decode_sizes``: then a dummy decode
-        step of each of these sizes (every row padding: it writes and reads nothing), which
-        captures the full graph of each size up front, holding the start. ``freeze_gc``: then move
+        first request; the sizes traffic brings are captured behind the calls that meet them
+        (``capture_behind``, the backend's default), which are served meanwhile. Every kernel a
+        later size launches is compiled here (the paged kernel compiles all its variants at its
+        first launch). ``capture``: the dummy steps capture their own sizes too (start-up pays for
+        graphs the traffic may never use). ``decode_sizes``: then a dummy decode step of each of
+        these sizes (every row padding: it writes and reads nothing), which captures the full graph
+        of each size up front; the start waits for those captures. ``freeze_gc``: then move
         every object alive into the collector's permanent generation (``gc.freeze``), as a
         long-running server does after start-up: the compiled code and graphs are never scanned again."""
         dummy = [Request(-1, [0] * self.max_num_tokens, 1), Request(-2, [0], 2)]
@@ -529,6 +522,9 @@ class Engine:
         self.steps.clear()
         for size in sorted(decode_sizes or ()):  # smallest first: each is captured, none rides a larger one
             self._dummy_decode(size)
+            piecewise_backend.wait_for_captures()  # (captured behind the dummy step: in before the next)
+        if capture or decode_sizes:
+            piecewise_backend.wait_for_captures()
         if freeze_gc:
             gc.collect()
             gc.freeze()

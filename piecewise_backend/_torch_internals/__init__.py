@@ -175,6 +175,17 @@ def free_cublas_workspaces() -> None:
     torch._C._cuda_clearCublasWorkspaces()
 
 
+def on_dynamo_compiles(start: Callable[[], None], end: Callable[[], None]) -> None:
+    """Call ``start()`` and ``end()`` around each of Dynamo's compiles, in the compiling thread.
+
+    ``torch._dynamo.callback.callback_handler`` (the hooks cudagraph trees and vLLM time compiles
+    with); its callbacks take one ``CallbackArgs`` argument. Checked on torch 2.11 and 2.13."""
+    from torch._dynamo.callback import callback_handler
+
+    callback_handler.register_start_callback(lambda _args: start())
+    callback_handler.register_end_callback(lambda _args: end())
+
+
 def current_raw_stream(device_index: int) -> int:
     """The caller's current CUDA stream on a device, as CUDA's handle (an int): what Inductor's
     generated code reads per kernel launch (``get_raw_stream``), far cheaper than building a

@@ -251,12 +251,16 @@ def reports() -> list[SplitReport]:
 
 def inspect_split(model: torch.nn.Module, *args, options: dict | None = None, **compile_kwargs) -> list[SplitReport]:
     """Compile ``model`` with the piecewise backend, run it once on ``args`` (no grad), and return
-    the report of every graph that call compiled (usually one). Works on CPU."""
+    the report of every graph that call compiled (usually one), once the captures it handed to the
+    capture thread are in (the report shows them). Works on CPU."""
     before = {g.serial for g in compiled_graphs()}
     compiled = torch.compile(model, backend="piecewise", options=options, **compile_kwargs)
     with torch.no_grad():
         compiled(*args)
-    return [SplitReport(g) for g in compiled_graphs() if g.serial not in before]
+    graphs = [g for g in compiled_graphs() if g.serial not in before]
+    for graph in graphs:
+        graph.wait_for_captures()
+    return [SplitReport(g) for g in graphs]
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 from ..registry import compiled_graphs
+from ..runtime.compile_clock import request_path_compile_seconds
 from ..runtime.devices import pool_bytes
 from ..runtime.stats import GraphStats, format_table
 
@@ -16,7 +17,13 @@ def capture_table() -> str:
 
 
 def process_stats() -> dict:
-    """Totals over every live compiled graph in this process (pool bytes: the shared pool, now)."""
+    """Totals over every live compiled graph in this process (pool bytes: the shared pool, now).
+
+    ``request_path_capture_s``: seconds callers' calls spent capturing (inline captures; captures
+    behind the calls are ``captures_behind``); ``request_path_compile_s``: seconds callers' threads
+    spent compiling since the first compile (Dynamo's compiles and Triton's JIT compiles there; the
+    capture thread's and compile workers' are not a caller's). Read them before and after a phase
+    (after ``warm_up``, say) for what that phase cost its callers."""
     graphs = _all_stats()
     misses: collections.Counter = collections.Counter()
     for g in graphs:
@@ -33,9 +40,20 @@ def process_stats() -> dict:
         "piecewise_replays": sum(g.piecewise_replays for g in graphs),  # calls served by piecewise graphs
         "ungraphed_runs": sum(g.ungraphed_runs for g in graphs),
         "rides": sum(g.rides for g in graphs),
+        "captures_behind": sum(g.captures_behind for g in graphs),
+        "exact_size_graphs": sum(1 for g in graphs if g.exact_sizes),
+        "request_path_capture_s": sum(g.request_path_capture_seconds for g in graphs),
+        "request_path_compile_s": request_path_compile_seconds(),
         "misses": {str(reason): count for reason, count in misses.items()},
         "pool_bytes": pool_bytes(),
     }
+
+
+def explain() -> str:
+    """What every live compiled graph did and why, one block each (its ``stats.summary()``): pieces,
+    captures (in calls or behind them), padding or why each size is captured exactly, misses and
+    their reasons, failed captures."""
+    return "\n\n".join(f"graph {g.serial}:\n{g.summary()}" for g in _all_stats()) or "no compiled graph yet"
 
 
 def _all_stats() -> list[GraphStats]:

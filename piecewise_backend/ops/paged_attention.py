@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from .capturing import capturing
+
 __all__ = ["paged_decode_attention", "paged_cache_write"]
 
 
@@ -134,6 +136,8 @@ def paged_cache_write(
     paged_kernel = _kernels(k)
     if paged_kernel is not None and k_cache.is_contiguous() and v_cache.is_contiguous():
         return paged_kernel.cache_write(k, v, k_cache, v_cache, slots)
+    if capturing(k):
+        return None  # a CUDA capture records the write and runs nothing: an emulated one writes nothing either
     keep = slots >= 0  # plain torch: a data-dependent selection (not capturable, fine off the GPU)
     flat_k, flat_v = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slots[keep].long(), k[keep].to(k_cache.dtype))

@@ -26,12 +26,23 @@ with keys stores its partial output and log-sum-exp, and a second kernel merges 
 
 ``cache_write`` stores a step's keys and values at their slots, skipping slot -1 (a padded row
 writes nowhere).
+
+**One compile per model, before the first request.** Triton compiles a kernel anew for each value
+class of an integer argument (1, a multiple of 16, anything else) and for each constexpr: a decode
+batch meeting a new class compiled on the request path (a third of a second per size, on an H100).
+So ``splits``, the one integer that follows the batch, is not specialised on
+(``do_not_specialize``), the merge's tile is fixed at ``MAX_SPLITS`` programs whatever ``splits``
+is, and the first launch outside a capture also launches, on one row and into a scratch output,
+the variant it did not need (``SINGLE`` or not, and the merge): every kernel a later batch size
+launches is compiled then (:func:`_prime`), inside the engine's warm-up, and noted for saved
+artifacts (``kernel_bundle.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import os
 
@@ -84,6 +95,12 @@ def _multiprocessors(device: torch.device) -> int:
 if triton is not None:
     import triton.language as tl
 
+    def _unspecialised(*names: str) -> dict:
+        """``triton.jit`` options that keep Triton from specialising on these integer arguments'
+        values (1, divisible by 16), where this Triton has them (3.x)."""
+        params = inspect.signature(triton.jit).parameters
+        return {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
+
     # A Triton kernel reads as its math: kept as written.
     # fmt: off
     @triton.jit
@@ -109,7 +126,7 @@ if triton is not None:
         l = l * rescale + tl.sum(weights, axis=1)
         return new_m, l, acc
 
-    @triton.jit
+    @triton.jit(**_unspecialised("splits"))
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                              stride_qn, stride_qh, stride_on, stride_oh, stride_kp, stride_ks, stride_kh,
                              stride_vp, stride_vs, stride_vh, stride_tn, kv_heads, group, head_blocks, splits,
@@ -158,7 +175,7 @@ if triton is not None:
             tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], out, mask=hd_ok)
             tl.store(lse_ptr + slot, m + tl.log2(l), mask=g_ok)
 
-    @triton.jit
+    @triton.jit(**_unspecialised("heads", "splits"))
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, lens_ptr, stride_on, stride_oh, heads, splits,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                       S_TILES: tl.constexpr):
@@ -295,14 +312,36 @@ def decode_attention(
     note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
     if not single:
         _merge(partial, lse, out, seq_lens, launch)
+    _prime(q, k_cache, v_cache, block_tables, seq_lens, scale, launch)
     return out
+
+
+_PRIMED: dict = {}  # (device, dtypes, shapes that are constexprs) -> both variants compiled
+
+
+def _prime_key(q: torch.Tensor, k_cache: torch.Tensor) -> tuple:
+    return (q.device, q.dtype, k_cache.dtype, q.shape[1:], k_cache.shape[1:], k_cache.stride())
+
+
+def _prime(q, k_cache, v_cache, block_tables, seq_lens, scale: float, launch: Plan) -> None:
+    """Launch, on the first row and into a scratch output, the variant this call did not need (one
+    program per pair, or split with the merge): both are compiled now, not at a later batch size's
+    first step (which may be a request's). Reads the caches and the row's metadata; writes nothing
+    of the caller's. Once per model and device, and never inside a capture."""
+    key = _prime_key(q, k_cache)
+    if key in _PRIMED or torch.cuda.is_current_stream_capturing():
+        return
+    _PRIMED[key] = True
+    other = dataclasses.replace(launch, splits=2 if launch.splits == 1 else 1)
+    scratch = torch.empty_like(q[:1])
+    decode_attention(q[:1], k_cache, v_cache, block_tables[:1], seq_lens[:1], scratch, scale, other)
 
 
 def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor, launch: Plan) -> None:
     """The merge pass: one program per (row, query head) over the partial outputs of its programs."""
     rows, heads, dim = out.shape
     block_d = triton_block_d(dim)
-    block_s = min(triton.next_power_of_2(launch.splits), max(1, 4096 // block_d))
+    block_s = min(triton.next_power_of_2(MAX_SPLITS), max(1, 4096 // block_d))  # one tile whatever ``splits``
     launched = _merge_kernel[(rows * heads,)](
         partial,
         lse,
@@ -316,7 +355,7 @@ def _merge(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, seq_lens
         BLOCK_D=block_d,
         BLOCK_N=launch.block_n,
         BLOCK_S=block_s,
-        S_TILES=math.ceil(launch.splits / block_s),
+        S_TILES=math.ceil(max(MAX_SPLITS, launch.splits) / block_s),
     )
     note(launched)  # its binary goes into saved artifacts (kernel_bundle.py)
 

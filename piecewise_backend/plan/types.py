@@ -260,6 +260,7 @@ class RuntimeSettings:
     lazy_capture: bool
     padding: bool
     defer_captures: bool
+    capture_behind: bool
     max_graph_memory: int | None
     max_captured_sizes: int | None
     max_unreplayed_captures: int | None

@@ -57,7 +57,8 @@ class InputArenas:
         base = self._current.get(index)
         if base is None or base.dtype != dtype or base.device != device or base.numel() < extent:
             with torch.inference_mode(False):  # a normal tensor: any later call may copy into it
-                base = self._current[index] = torch.empty(extent, dtype=dtype, device=device)
+                # zeros: a capture behind copies nothing in, and a padded row must hold valid indices
+                base = self._current[index] = torch.zeros(extent, dtype=dtype, device=device)
             self._all.append(base)
         return base.as_strided(tuple(shape), tuple(strides))
 
@@ -71,23 +72,35 @@ class InputArenas:
 
 
 def owned_copy(
-    arg: torch.Tensor, spec, sym_values: dict, size: list, dim: int | None, arenas: InputArenas, index: int
+    arg: torch.Tensor,
+    spec,
+    sym_values: dict,
+    size: list,
+    dim: int | None,
+    arenas: InputArenas,
+    index: int,
+    fill: bool = True,
 ) -> torch.Tensor:
     """A buffer holding ``arg`` (in its first rows along ``dim`` when padded to ``size``), from
     ``arenas`` (input ``index``).
 
     Strides are the ones the compiled code expects (``spec``'s, at the key's symbol values); the
     storage offset is dropped: compiled code reads through the data pointer. Padded rows start as
-    zeros: an index tensor's padded rows must hold valid indices.
+    zeros: an index tensor's padded rows must hold valid indices. ``fill=False`` (a capture behind:
+    ``arg`` is a made-up stand-in) writes nothing: the buffer may be the one a replay of another key
+    is reading, and what it holds (zeros, or a real call's rows) is valid either way.
     """
     strides = strides_at(spec, sym_values)
     if dim is None:
         buf = arenas.take(index, arg.shape, strides or arg.stride(), arg.dtype, arg.device)
-        buf.copy_(arg)
+        if fill:
+            buf.copy_(arg)
         return buf
     if strides is None:
         raise ValueError(f"no strides for a padded input at {sym_values}")
     buf = arenas.take(index, size, strides, arg.dtype, arg.device)
+    if not fill:
+        return buf
     buf.zero_()
     buf.narrow(dim, 0, arg.shape[dim]).copy_(arg)
     return buf

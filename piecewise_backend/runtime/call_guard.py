@@ -15,6 +15,11 @@ for that stream (an event, on the GPU; the host does not wait). Calls on one str
 stream-id compare (``_torch_internals.current_raw_stream``); the first call on a new stream pays one
 ``wait_stream``. Graphs that never capture (graphs off, grad mode) take no guard: they share nothing.
 
+Captures have a lock of their own per device (:attr:`CallGuard.capture_lock`): one capture at a time
+records into the device's pool and on its capture stream, whether a caller makes it inline (holding
+the call guard first) or the capture thread makes it behind the callers (holding only this lock, so
+calls go on meanwhile; it takes the call guard afterwards, for the moment it hands its graphs over).
+
 Why a lock and not state per thread (cudagraph trees keep a tree per thread): graphs per thread
 would capture every size once per thread and double the pool; one GPU runs one call's kernels after
 another anyway, and the host work a guard serialises is Python that the GIL serialises already.
@@ -35,6 +40,7 @@ class CallGuard:
     def __init__(self, device: torch.device):
         self.device = device
         self.lock = threading.RLock()
+        self.capture_lock = threading.RLock()  # one capture at a time on this device (module docstring)
         self._cuda = device.type == "cuda"
         self._index = device.index if device.index is not None else (torch.cuda.current_device() if self._cuda else 0)
         self._last_raw: int | None = None  # the previous guarded call's stream, as CUDA's handle

@@ -8,10 +8,10 @@ between the replays. Per call, in order:
 1. the step scalars are refreshed (the decode rewrite's positions, checked on the host; after the
    call, the next decode position is written ahead: ``step_scalars.py``);
 2. un-graphed if graphs are off for this graph or grad is needed;
-3. everything else is decided by :class:`~.capture_decisions.CaptureDecisions` (which set of
-   graphs, full or piecewise, which key: replay, capture, ride, retry, replace, up front, or
+3. everything else is decided by :class:`~.capture.CaptureDecisions` (which set of graphs, full
+   or piecewise, which key: replay, capture inline or behind, ride, retry, replace, up front, or
    un-graphed with a counted reason): this module holds none of those rules, it does what the
-   ``Route`` (``capture_policy.py``) says;
+   ``Route`` (``capture/policy.py``) says;
 4. the runners are told through the step protocol (``StepState``) and the split graph runs, or a
    full graph is replayed or captured (``full_graph.py``).
 """
@@ -28,19 +28,20 @@ import torch
 from .. import _torch_internals
 from ..kinds import CaptureHow, GraphMode, PieceKind
 from ..plan.types import PieceCode
+from . import compile_clock
 from .call_guard import call_guard
-from .capture_decisions import CaptureDecisions
+from .capture import CaptureDecisions, UpFrontCapture, wait_for_captures
 from .code_switch import CodeSwitch
 from .devices import pool_bytes, synchronize
 from .full_graph import FALLBACK, FullGraphs
 from .graph_mode import current_mode
 from .messages import GraphWarnings
-from .piece_runner import PieceRunner, StepState
+from .piece_runner import PieceRunner
 from .sdpa_backends import SdpaBackends
 from .split_forward import one_piece_forward
 from .stats import GraphStats, PieceStats
 from .step_scalars import StepScalars
-from .up_front import UpFrontCapture
+from .step_state import StepState
 
 if TYPE_CHECKING:
     from ..plan.types import GraphPlan
@@ -51,6 +52,7 @@ class CompiledGraph:
 
     def __init__(self, plan: GraphPlan, compiled: Mapping[str, Callable | None]):
         """``compiled``: each compute piece's compiled code (None, or left out: it runs its traced code)."""
+        compile_clock.install(with_triton=plan.device.type == "cuda")  # process_stats' request_path_compile_s
         self.plan = plan
         self.compiled_code = dict(compiled)  # what the pieces were built with (``persist/`` saves it)
         self.stats = GraphStats.of_plan(plan)
@@ -60,6 +62,7 @@ class CompiledGraph:
         self.split_module = torch.fx.GraphModule(plan.program.module, plan.program.module.graph)
         self.full = FullGraphs(self)  # calls under cudagraph_mode("full"): the whole call, one graph
         self.decisions = CaptureDecisions(plan, self.stats, self.memory_bytes_reader(), self.warnings)
+        self.decisions.attach(self)  # (weakly) what its captures behind the calls are made for
         self.runners = self._wrap_pieces(compiled)
         self.up_front = UpFrontCapture(self)
         self.forward_split = one_piece_forward(self.split_module) or _torch_internals.generated_forward(
@@ -140,15 +143,17 @@ class CompiledGraph:
 
     def capture(self, sizes: Iterable[int] | str = "all") -> list[tuple]:
         """Capture the graphs of ``sizes`` now, largest first; returns the shape keys captured (see
-        :meth:`UpFrontCapture.capture_sizes`). Safe beside other threads' calls (it holds the call guard)."""
+        :meth:`UpFrontCapture.capture_sizes`). Safe beside other threads' calls: the capture thread
+        records them while they go on (inline graphs: this holds the call guard meanwhile)."""
+        if self.decisions.inline[GraphMode.PIECEWISE] is None:
+            return self.up_front.capture_sizes(sizes)
         with self._guard:
             return self.up_front.capture_sizes(sizes)
 
     def wait_for_captures(self, timeout: float | None = None) -> bool:
-        """Wait for ``eager_capture_sizes`` captured behind the first call (True: none left, or all
-        done within ``timeout`` seconds)."""
-        behind = self.decisions.behind
-        return behind is None or behind.wait(timeout)
+        """Wait for this graph's captures behind the calls (lazy ones and ``eager_capture_sizes``):
+        True once none is left, False if some still were after ``timeout`` seconds."""
+        return wait_for_captures(self, timeout)
 
     def warn_once(self, topic: str, message: str) -> None:
         self.warnings.once(topic, message)
@@ -156,6 +161,8 @@ class CompiledGraph:
     # -- per call ---------------------------------------------------------------------------------
 
     def __call__(self, *args):
+        if self.warnings.pending:  # what the capture thread found, said here, at the caller's line
+            self.warnings.flush()
         if self.code_switch.pending:  # code compiled behind (code_switch.py): all pieces at once, then capture
             self.code_switch.apply(self)
         if self._graphs_off:  # never graphed: nothing shared with other callers
@@ -216,12 +223,16 @@ class CompiledGraph:
         """Run ``run()`` as the step that captures ``key``: fresh per-capture state, timed, recorded."""
         position = self.plan.key.pad_position
         self.step.capturing(key[position] if position is not None else None, sym_values)
-        before, start = self.memory_bytes(), time.perf_counter()
-        out = run()
-        synchronize(self.device)
+        with self.call_guard.capture_lock:  # not beside the capture thread's recording
+            before, start = self.memory_bytes(), time.perf_counter()
+            out = run()
+            synchronize(self.device)
+        seconds = time.perf_counter() - start
+        if how == CaptureHow.LAZY:
+            self.stats.request_path_capture_seconds += seconds
         failed = any(key in r.failed_keys for r in self.runners.values())
         pieces = sum(1 for r in self.runners.values() if key in r.captures)
-        self.decisions.recorded(key, how, time.perf_counter() - start, before, GraphMode.PIECEWISE, failed, pieces)
+        self.decisions.recorded(key, how, seconds, before, GraphMode.PIECEWISE, failed, pieces)
         return out
 
     def capture_up_front(self, key: tuple, sym_values: dict, run):

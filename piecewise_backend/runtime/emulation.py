@@ -8,18 +8,17 @@ and benchmarks of this package, not for users (emulation is slower than running 
 
 from __future__ import annotations
 
-import contextvars
 from collections.abc import Callable
 
 import torch
 
-_CAPTURING = contextvars.ContextVar("piecewise_emulated_capture", default=False)
+from ..ops.capturing import EMULATED_CAPTURE as _CAPTURING
 
 
 def capturing() -> bool:
     """True while an emulated graph is being captured: on CPU, what
-    ``torch.cuda.is_current_stream_capturing()`` says on CUDA (for tests of ops that must not be
-    captured)."""
+    ``torch.cuda.is_current_stream_capturing()`` says on CUDA (``piecewise_backend.ops.capturing``
+    asks both)."""
     return _CAPTURING.get()
 
 

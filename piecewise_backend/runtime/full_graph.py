@@ -27,17 +27,15 @@ fallback is counted by reason (``stats.full_fallbacks``).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import weakref
-from typing import Any
 
 import torch
 
 from .. import _torch_internals, op_names
 from ..kinds import CaptureHow, GraphMode
 from .buffers import InputArenas, narrowed, owned_copy, weak_alias
-from .capture_policy import Route
+from .capture import Route, WholeCapture
 from .devices import device_graphs
 from .distributed import agreed_refusal
 from .emulation import EmulatedGraph, as_tuple
@@ -46,19 +44,10 @@ from .symbolic import evaluate, symbol_values
 FALLBACK = object()  # what :meth:`FullGraphs.call` returns when the call must run piecewise
 
 
-@dataclasses.dataclass
-class _FullCapture:
-    graph: Any  # torch.cuda.CUDAGraph, or an EmulatedGraph on CPU
-    copies: list  # (arg index, owned buffer, its address) per input copied in
-    written: list  # (arg index, address at capture) per written input used in place: must not move
-    outputs: tuple  # the call's outputs, tensors as weak aliases
-    views: dict = dataclasses.field(default_factory=dict)  # caller size -> (copies, outputs) cut to it
-
-
 class FullGraphs:
     """The full graphs of one :class:`~.compiled_graph.CompiledGraph` (held weakly, as ``up_front.py``
     does): capture and replay; which calls they serve, and the graphs of each weight set, are
-    ``capture_decisions.py``'s (``decisions.active.full``)."""
+    ``capture/decisions.py``'s (``decisions.active.full``)."""
 
     def __init__(self, graph):
         self.graph = weakref.proxy(graph)
@@ -72,7 +61,7 @@ class FullGraphs:
         self.arenas = InputArenas()  # the copied inputs' buffers, shared by every key (buffers.py)
 
     def call(self, route: Route, args: tuple):
-        """Serve the call from the full graph ``route`` names (``capture_decisions.py`` chose it),
+        """Serve the call from the full graph ``route`` names (``capture/decisions.py`` chose it),
         capturing it if the route says so, or return :data:`FALLBACK`: then the call runs piecewise."""
         if route.capture:
             return self._capture_whole(route, args)
@@ -102,7 +91,7 @@ class FullGraphs:
         self.graph.stats.graph_calls[(GraphMode.FULL, self._size_of(route.key))] += 1
         return self._user_outputs(outputs)
 
-    def _slice(self, captured: _FullCapture, size: int):
+    def _slice(self, captured: WholeCapture, size: int):
         """The owned buffers and outputs cut to the caller's ``size`` rows (cached per size)."""
         pad = self.plan.padding
         copies = [
@@ -124,6 +113,14 @@ class FullGraphs:
     # -- capture -----------------------------------------------------------------------------------
 
     def _capture_whole(self, route: Route, args: tuple):
+        start = time.perf_counter()
+        with self.graph.call_guard.capture_lock:  # not beside the capture thread's recording
+            try:
+                return self._capture_whole_now(route, args)
+            finally:
+                self.graph.stats.request_path_capture_seconds += time.perf_counter() - start
+
+    def _capture_whole_now(self, route: Route, args: tuple):
         graph, key = self.graph, route.key
         values = {**symbol_values(self.input_specs, args), **dict(zip(self.symbols, key))}
         before, start = graph.memory_bytes(), time.perf_counter()
@@ -146,7 +143,7 @@ class FullGraphs:
         if failure is not None:
             self._failed(key, failure)
         else:
-            graph.decisions.active.full.graphs[key] = _FullCapture(recorded, copies, written, captured_outputs)
+            graph.decisions.active.full.graphs[key] = WholeCapture(recorded, copies, written, captured_outputs)
             graph.decisions.recorded(key, CaptureHow.LAZY, time.perf_counter() - start, before, GraphMode.FULL)
             graph.stats.graph_calls[(GraphMode.FULL, self._size_of(key))] += 1
         return narrowed(outputs, self.plan.padding.out_dims, route.size) if route.padded else outputs

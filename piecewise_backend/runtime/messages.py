@@ -10,6 +10,8 @@ import pathlib
 import sys
 import warnings
 
+from ..kinds import Miss
+
 _OURS = (
     str(pathlib.Path(__file__).resolve().parents[1]),
     *importlib.util.find_spec("torch").submodule_search_locations,
@@ -27,15 +29,29 @@ def user_stacklevel() -> int:
 
 
 class GraphWarnings:
-    """One compiled graph's warnings: each topic once, at the user's line (:func:`user_stacklevel`)."""
+    """One compiled graph's warnings: each topic once, at the user's line (:func:`user_stacklevel`).
+
+    What the capture thread finds (a capture behind that failed) is said :meth:`later`: at the
+    graph's next call, in the caller's thread, where ``warnings.catch_warnings`` and the user's
+    filters see it and the warning points at the caller's line."""
 
     def __init__(self):
         self._topics: set = set()
+        self.pending: list = []  # (topic, message) to say at the next call
 
     def once(self, topic, message: str) -> None:
         if topic not in self._topics:
             self._topics.add(topic)
             warnings.warn(message, stacklevel=user_stacklevel())
+
+    def later(self, topic, message: str) -> None:
+        self.pending.append((topic, message))
+
+    def flush(self) -> None:
+        """Say what :meth:`later` kept (the compiled graph calls this at the start of a call)."""
+        pending, self.pending = self.pending, []
+        for topic, message in pending:
+            self.once(topic, message)
 
 
 WEIGHTS_BOUND_ELSEWHERE = (
@@ -84,4 +100,28 @@ def never_replayed(serial: int, detail: str, instead: str) -> str:
         f'attn_implementation="sdpa" where the model supports it, or the static cache, whose shapes are '
         f"fixed), or your own attention op not in extra_splitting_ops; in a prefill, prompts of many "
         f"lengths (pad them to a few lengths to get graphs)."
+    )
+
+
+def refused(serial: int, key: tuple, miss, detail: str, instead_key) -> str | None:
+    """A capture the budget or the churn guard refused (None: nothing to say for this miss)."""
+    instead = (
+        f"Those calls replay the graph of {instead_key}, padded"
+        if instead_key is not None
+        else ("Those calls run un-graphed")
+    )
+    if miss == Miss.OVER_BUDGET:
+        return over_budget(serial, key, detail, instead)
+    if miss == Miss.NEVER_REPLAYED:
+        return never_replayed(serial, detail, instead)
+    return None
+
+
+def exact_sizes(serial: int, kind: str, refusal: str) -> str:
+    """Padding wanted and refused: every batch size gets a graph of its own, each a capture (the
+    refusal names the op, and for a custom op the declaration that lets it pad)."""
+    return (
+        f"piecewise: graph {serial}: {kind} graphs are captured per exact batch size, not padded into a "
+        f"few: {refusal}. Each new batch size is a capture of its own (made behind the calls that meet "
+        f"it, which run un-graphed meanwhile)."
     )

@@ -8,7 +8,7 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   makes sharing one pool safe: a capture never allocates over memory that a replayed piece's output
   still occupies, because in a capturing step every earlier output is a real, owned tensor.
 * **The step protocol.** The compiled graph tells its runners what the current call is through
-  one :class:`StepState`, and only through its three methods: :meth:`StepState.ungraphed`,
+  one :class:`~.step_state.StepState`, and only through its methods: :meth:`StepState.ungraphed`,
   :meth:`StepState.replay` (a key, maybe padded) and :meth:`StepState.capturing` (fresh
   per-capture state). The runners read it; nothing else writes it.
 * **One pool and one stream per device** (``devices.py``). Captured outputs are kept only as
@@ -28,10 +28,10 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
   their first rows. Outputs of one captured piece feed the next at full size, so a step pads once
   (user inputs and eager outputs are copied in anyway), not once per piece. See ``padding.py``.
 * **Hot and cold paths apart.** This module replays (a few dict lookups and compares per piece per
-  step); ``piece_capture.py`` captures a new key.
+  step); ``capture/piece.py`` captures a new key.
 * **Loud fallback.** A capture that fails warns with the reason and the piece runs compiled but
   un-graphed for that key; the compiled graph tries the whole key again later
-  (``capture_retries.py``). A compiled piece that raises where its traced FX code does not runs
+  (``capture/retries.py``). A compiled piece that raises where its traced FX code does not runs
   that code from then on, after putting back what the failed run wrote to args it writes
   non-idempotently: the fallback never raises where eager would not, and never writes twice.
 * **One caller at a time.** The step protocol's state and the runners' buffers are shared by every
@@ -41,7 +41,6 @@ Design (the reasons are the hard-won ones from vLLM, SGLang and torch's cudagrap
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from typing import TYPE_CHECKING
 
@@ -50,10 +49,11 @@ import torch
 from .. import _torch_internals
 from ..plan.types import TensorSpec
 from .buffers import InputArenas, narrowed, written_snapshot
+from .capture import Captured, capture_piece
 from .distributed import RankAgreement
 from .messages import user_stacklevel
-from .piece_capture import Captured, capture_piece
 from .stats import PieceStats
+from .step_state import StepState
 from .symbolic import strides_at, symbol_values
 
 if TYPE_CHECKING:
@@ -63,42 +63,6 @@ if TYPE_CHECKING:
 # ``assert_size_stride`` (torch._C._dynamo.guards), an AssertionError whose message starts so
 # (checked on torch 2.11 and 2.13). Any other AssertionError is the code's own: it propagates.
 STRIDE_CHECK = "expected size "
-
-
-@dataclasses.dataclass
-class StepState:
-    """What the compiled graph tells every runner about the current call (see "The step protocol")."""
-
-    graphing: bool = False
-    whole: bool = False  # inside a full graph's run or capture: pieces run their compiled code as it is
-    key: tuple = ()  # the shape key of the graphs to replay or capture
-    size: int | None = None  # the caller's batch size when it is padded up to the key's
-    key_size: int | None = None  # the key's batch size (what the graphs are captured at)
-    padded: bool = False
-    sym_values: dict = dataclasses.field(default_factory=dict)  # symbol -> value at the key (capture only)
-    pool_ptrs: set = dataclasses.field(default_factory=set)  # outputs captured during this call
-    staged: dict = dataclasses.field(default_factory=dict)  # stage key -> buffer (capturing calls)
-    refreshed: dict = dataclasses.field(default_factory=dict)  # stage key -> source address copied this call
-
-    def ungraphed(self) -> None:
-        """This call runs every piece compiled but un-graphed."""
-        self.graphing = self.whole = False
-
-    def inside_full_graph(self) -> None:
-        """This call is run, or captured, whole (``full_graph.py``): each piece runs its compiled code
-        as it is, counted nowhere (the full graph's own stats count the call)."""
-        self.graphing, self.whole = False, True
-
-    def replay(self, key: tuple, size: int | None, padded: bool) -> None:
-        """This call replays (or, for pieces without a graph of ``key``, captures) the graphs of ``key``."""
-        self.graphing, self.whole, self.key, self.size, self.padded = True, False, key, size, padded
-        self.refreshed.clear()
-
-    def capturing(self, key_size: int | None, sym_values: dict) -> None:
-        """This call captures: no output of an earlier capture is in the pool for it yet."""
-        self.pool_ptrs.clear()
-        self.staged.clear()
-        self.key_size, self.sym_values = key_size, sym_values
 
 
 class PieceRunner:
@@ -154,7 +118,7 @@ class PieceRunner:
         """The replay path runs once per piece per decode step: keep it to dict lookups and compares."""
         step = self.step
         if not step.graphing:
-            return self._run_compiled(args) if step.whole else self.run_ungraphed(args)
+            return self.run_compiled(args) if step.whole else self.run_ungraphed(args)
         captured = self.captures.get(step.key)
         if captured is None:
             if step.key in self.failed_keys:
@@ -186,7 +150,7 @@ class PieceRunner:
         fallback = self.eager_fn is not None and self.fn is not self.eager_fn
         undo = written_snapshot(args, self.piece.restore_after_warmup) if fallback else None
         try:
-            return self._run_compiled(args)
+            return self.run_compiled(args)
         except torch.OutOfMemoryError:
             raise  # not the code's fault: eager would need the memory too
         except Exception as exc:  # the compiled code is broken where the traced code is not
@@ -198,7 +162,7 @@ class PieceRunner:
             self._run_eagerly_from_now_on(exc)
             return out
 
-    def _run_compiled(self, args: tuple):
+    def run_compiled(self, args: tuple):
         try:
             return self.fn(*args)
         except AssertionError as exc:  # Inductor's input stride check (see _expected_layout), nothing else

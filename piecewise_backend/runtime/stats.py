@@ -66,6 +66,8 @@ class GraphStats:
     weight_sets_replaced: int = 0  # of those, dropped past max_weight_sets for a newer one
     replaced_keys: list = dataclasses.field(default_factory=list)  # captured keys released for busier ones
     rides: int = 0  # calls that replayed a larger captured graph, their own size waiting or refused
+    request_path_capture_seconds: float = 0.0  # capturing inside callers' calls (inline captures)
+    exact_sizes: str = ""  # why each batch size gets graphs of its own (padding refused), once met
     full_padding: str = ""  # what full graphs pad, or why nothing is (naming the op)
     full_refusal: str | None = None  # why no call is captured whole, if none is
     graph_calls: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # (mode, size) -> calls
@@ -134,6 +136,11 @@ class GraphStats:
         return len(self.full_keys)
 
     @property
+    def captures_behind(self) -> int:
+        """Sizes captured by the capture thread, behind the calls (``capture_behind``)."""
+        return sum(1 for e in self.events if e.how == CaptureHow.BEHIND)
+
+    @property
     def capture_seconds(self) -> float:
         return sum(e.seconds for e in self.events)
 
@@ -198,6 +205,13 @@ class GraphStats:
             lines.append(
                 f"captured sizes replaced by busier ones (max_captured_sizes): {len(self.replaced_keys)} "
                 f"({', '.join(map(str, self.replaced_keys[:6]))}{', ...' if len(self.replaced_keys) > 6 else ''})"
+            )
+        if self.exact_sizes:
+            lines.append(f"captured per exact batch size: {self.exact_sizes}")
+        if self.captures_behind or self.request_path_capture_seconds:
+            lines.append(
+                f"captures behind the calls: {self.captures_behind}; seconds callers spent capturing: "
+                f"{self.request_path_capture_seconds:.2f}"
             )
         if self.rides:
             lines.append(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 
-from ..kinds import Miss
+from ...kinds import Miss
 
 WINDOW = 512  # calls over which traffic is counted
 MIN_CALLS = 16  # calls in the window before a refused key may replace a captured one

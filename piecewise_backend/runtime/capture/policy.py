@@ -19,10 +19,10 @@ import bisect
 import dataclasses
 from collections.abc import Callable
 
-from ..kinds import Miss
-from ..plan.types import RuntimeSettings
-from .capture_deferral import CaptureDeferral
-from .distributed import RankAgreement, agreed_refusal
+from ...kinds import Miss
+from ...plan.types import RuntimeSettings
+from ..distributed import RankAgreement, agreed_refusal
+from .deferral import CaptureDeferral
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +236,21 @@ class CapturePolicy:
         if route.key is None:  # refused: the larger graph serves it, not an un-graphed run
             return dataclasses.replace(route, key=ride, padded=True)
         return route
+
+    def ride(self, key: tuple, captured, full: bool = False) -> tuple | None:
+        """The smallest captured key (among ``captured``) that ``key``'s call may pad up into: its own
+        bucket's, else a larger one; None where padding is refused or none is captured."""
+        rule = self.full if full else self.pieces
+        if self.pad_position is None or not rule.padding:
+            return None
+        size = key[self.pad_position]
+        rows = rule.row_limit(key) if rule.row_limit is not None else None
+        bucket = self.bucket(size, rows, rule)
+        if bucket is None:
+            return None
+        if bucket != size and self.with_size(key, bucket) in captured:
+            return self.with_size(key, bucket)
+        return self._ride(key, bucket, captured, rows, rule)
 
     def _ride(self, key: tuple, bucket: int, captured, rows: int | None, rule: SizeRule) -> tuple | None:
         """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""

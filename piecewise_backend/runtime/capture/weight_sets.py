@@ -30,8 +30,8 @@ import operator
 
 import torch
 
-from .. import _torch_internals
-from .capture_retries import CaptureRetries
+from ... import _torch_internals
+from .retries import CaptureRetries
 
 _data_ptr = torch.Tensor.data_ptr
 
@@ -65,6 +65,7 @@ class WeightSet:
     unreplayed: set = dataclasses.field(default_factory=set)  # keys captured lazily, never replayed since
     retries: CaptureRetries = dataclasses.field(default_factory=CaptureRetries)  # keys whose capture failed
     full: FullGraphState = dataclasses.field(default_factory=FullGraphState)
+    generation: int = 0  # one up at each release: a capture behind asked for before it is dropped
 
     def bind(self, runners: dict) -> None:
         """Point each piece's runner at this set's graphs of it (the runners replay from them)."""
@@ -85,6 +86,7 @@ class WeightSet:
         """Forget this set's graphs; the number of keys released. Keys whose capture failed stay
         un-graphed."""
         released = len(self.captured)
+        self.generation += 1
         for captures in self.captures.values():
             captures.clear()
         self.captured.clear()

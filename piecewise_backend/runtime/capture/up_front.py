@@ -1,17 +1,16 @@
 """Capturing sizes before any call needs them (``capture()``, ``eager_capture_sizes``), with no side
 effects on the caller's state.
 
-To capture size 64 we must run every compute piece at 64 with inputs at the right addresses, but
-we have no batch of 64 to run. Running the whole graph on made-up inputs would run its eager pieces
-too, and those write the caller's KV cache. So only the compute pieces run (they never write a
-caller's tensor except, in full mode, buffers the graph itself writes at the positions it is given),
-in order, fed by zero stand-ins for everything else:
+To capture size 64 we must record every compute piece at 64 with inputs at the right addresses, but
+there is no batch of 64 to run: ``behind_record.py`` records them on stand-ins (weights and buffers
+remembered from the graph's first call, zeros for the rest), in the capture thread, running no
+kernel; ``capture()`` hands the sizes over one at a time and waits for each, ``eager_capture_sizes``
+hands them all over at the first call, which is served at once.
 
-* weights and buffers: the real tensors, remembered from the graph's first call;
-* other graph inputs and the eager pieces' outputs: zeros shaped as the plan describes them, with the
-  batch symbol set to the size being captured (zeros are valid token ids and harmless activations);
-* earlier compute pieces' outputs: the real captured outputs, as in a real step, so each piece is
-  captured reading its predecessor's pool memory and a later real step replays with no copies.
+With collectives every rank must capture in one order, with the collectives' warm-up runs in step,
+which a thread beside the callers cannot promise: those graphs capture in the caller's thread
+(:meth:`UpFrontCapture.capture_sizes`), the compute pieces run on the same stand-ins with their warm-up
+(the moved KV writes turned off: the caller's cache is untouched), holding the call guard.
 """
 
 from __future__ import annotations
@@ -22,15 +21,15 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-import torch.fx
 
-from ..plan.types import SymSpec, TensorSpec
-from .background_capture import BackgroundCapture
-from .symbolic import materialize, symbol_values
+from ...kinds import CaptureHow, GraphMode
+from ..symbolic import symbol_values
+from . import handover
+from .behind_record import ComputeOnlyRun, stand_in_inputs
 
 if TYPE_CHECKING:
-    from ..plan.types import GraphPlan
-    from .capture_decisions import CaptureDecisions
+    from ...plan.types import GraphPlan
+    from .decisions import CaptureDecisions
 
 
 def _progress(items: list, desc: str):
@@ -53,12 +52,6 @@ class CaptureHost(Protocol):
     def capture_up_front(self, key: tuple, sym_values: dict, run: Callable[[], Any]) -> Any:
         """Run ``run()`` as the step that captures ``key`` (timed and recorded as up-front)."""
 
-    def capture(self, sizes: Iterable[int]) -> list[tuple]:
-        """Capture ``sizes`` now, holding the call guard (what the thread of ``capture_behind`` calls)."""
-
-    def warn_once(self, topic: str, message: str) -> None:
-        """Warn ``message`` once per ``topic`` for this graph."""
-
 
 class UpFrontCapture:
     """What capturing without a real call needs from the graph's first call, and the capture itself.
@@ -66,11 +59,12 @@ class UpFrontCapture:
     ``host`` is the :class:`~.compiled_graph.CompiledGraph` this belongs to, read through
     :class:`CaptureHost` only, and held weakly: a cycle would keep a graph Dynamo dropped, and its
     CUDA graphs' memory, alive until the next garbage collection. Which sizes are captured and
-    when (``eager_capture_sizes`` on the first call, the budget) is ``capture_decisions.py``'s.
+    when (``eager_capture_sizes`` on the first call, the budget) is ``decisions.py``'s.
     """
 
     def __init__(self, host: CaptureHost):
         self.host = weakref.proxy(host)
+        self._graph = weakref.ref(host)  # what the capture thread is handed (it keeps it weakly too)
         self.plan = host.plan
         self._template: list | None = None  # first call's weights and scalars
         self._key: tuple = ()
@@ -128,6 +122,29 @@ class UpFrontCapture:
             f"lazily, on the first real call at each size."
         )
 
+    def eager_sizes(self) -> tuple:
+        """``eager_capture_sizes`` this graph captures on its first call (warned when some cannot be)."""
+        decisions = self.host.decisions
+        sizes, serial, warnings = decisions.settings.eager_sizes, self.serial, decisions.warnings
+        if not sizes or self.plan.key.pad_position is None:
+            return ()
+        if self.writes_unmasked:
+            warnings.once(
+                "eager sizes",
+                f"piecewise: graph {serial}: eager_capture_sizes ignored: {self.no_up_front_capture()}",
+            )
+            return ()
+        rows = self.row_limit()
+        if rows is not None and any(s > rows for s in sizes):
+            warnings.once(
+                "eager rows",
+                f"piecewise: graph {serial}: eager_capture_sizes above {rows} are "
+                f"not captured: the graph reads or writes tensors of {rows} rows by "
+                f"batch row (a KV cache's batch dim).",
+            )
+            sizes = tuple(s for s in sizes if s <= rows)
+        return sizes
+
     def row_limit(self) -> int | None:
         """The most rows a padded or up-front batch may have (a KV cache's batch dim), None: no limit."""
         policy = self.host.decisions.policy
@@ -138,27 +155,38 @@ class UpFrontCapture:
 
         ``sizes``: capture sizes, or ``"all"``. Needs one earlier call (for the weights and the
         sizes of other dynamic dims). Stops, with a warning, at the first size the budget refuses.
-        Shows a progress bar (tqdm) when it takes more than a moment.
+        Shows a progress bar (tqdm) when it takes more than a moment. Behind (the default), each
+        size is recorded by the capture thread while this waits, and other threads' calls go on.
         """
         refusal = self.refusal()
         if refusal is not None:
             raise RuntimeError(f"piecewise: {refusal}")
         decisions = self.host.decisions
         todo = [k for k in self.keys_of(sizes) if k not in decisions.captured]
+        inline = decisions.inline[GraphMode.PIECEWISE] is not None
         done = []
         for key in _progress(todo, f"piecewise: capturing {len(todo)} sizes"):
             if not decisions.up_front_route(key).capture:
                 break
-            self._capture_key(key)
+            if inline:
+                self._capture_inline(key)
+            else:
+                self._submit(key)
+                handover.wait(self._graph())
+                if key not in decisions.captured:
+                    break
             done.append(key)
         return done
 
-    def capture_behind(self, sizes: Iterable[int]) -> BackgroundCapture:
-        """Capture ``sizes`` in a thread, one at a time, once the call in progress returned
-        (``background_capture.py``): the first call of a graph is not held up by them."""
-        host = self.host
-        warn = lambda message: host.warn_once("eager sizes behind", message)  # noqa: E731
-        return BackgroundCapture(host.capture, sizes, warn, self.plan.device).start()
+    def capture_behind(self, sizes: Iterable[int]) -> None:
+        """Hand ``sizes`` to the capture thread, largest first (``eager_capture_sizes``): the first
+        call of a graph is not held up by them."""
+        for key in self.keys_of(sizes):
+            self._submit(key)
+
+    def _submit(self, key: tuple) -> None:
+        values = {**self._values, **dict(zip(self.plan.key.symbols, key))}
+        handover.submit(self._graph(), GraphMode.PIECEWISE, key, list(self._template), values, CaptureHow.UP_FRONT)
 
     def keys_of(self, sizes) -> list[tuple]:
         """The shape keys of ``sizes`` (checked), largest first."""
@@ -181,40 +209,20 @@ class UpFrontCapture:
         sizes = tuple(s for s in sizes if s not in too_many)
         return [policy.with_size(self._key, s) for s in sorted(set(sizes), reverse=True)]
 
-    def _capture_key(self, key: tuple) -> None:
+    def _capture_inline(self, key: tuple) -> None:
+        """Capture ``key`` in this thread: the runners capture as the stand-in run reaches them."""
         host, plan = self.host, self.plan
         values = {**self._values, **dict(zip(plan.key.symbols, key))}
         scalars = host.step_scalars.writes_disabled() if host.step_scalars is not None else contextlib.nullcontext()
         runners, template = host.runners, self._template
+
+        def run() -> None:
+            inputs = stand_in_inputs(plan, template, values)
+            run_piece = lambda name, args: runners[name](*args)  # noqa: E731 - each runner captures itself
+            with torch.no_grad():
+                ComputeOnlyRun(plan.program.module, run_piece, runners, plan.output_specs, values, plan.device).run(
+                    *inputs
+                )
+
         with scalars:  # the moved KV writes put back what they read: the caller's cache is untouched
-            host.capture_up_front(key, values, lambda: run_compute_pieces(plan, runners, template, values))
-
-
-class _ComputeOnlyRun(torch.fx.Interpreter):
-    """Runs the split graph's compute pieces; eager pieces are replaced by zero stand-ins."""
-
-    def __init__(self, split_gm, runners: dict, output_specs: dict, values: dict, device):
-        super().__init__(split_gm)
-        self.runners = runners
-        self.output_specs = output_specs
-        self.values = values
-        self.device = device
-
-    def call_module(self, target, args, kwargs):
-        if target in self.runners:
-            return self.runners[target](*args)
-        return materialize(self.output_specs[target], self.values, self.device)
-
-
-def run_compute_pieces(plan: GraphPlan, runners: dict, template: list, values: dict) -> None:
-    """Run every compute piece of ``plan`` once on stand-ins at the symbol ``values`` (the runners
-    capture); weights and Python scalars are taken from ``template`` as they are."""
-    taken = plan.inputs.static_inputs | plan.inputs.python_scalars
-    inputs = [
-        template[i]
-        if i in taken or not isinstance(spec, (TensorSpec, SymSpec))
-        else materialize(spec, values, plan.device)
-        for i, spec in enumerate(plan.inputs.specs)
-    ]
-    with torch.no_grad():
-        _ComputeOnlyRun(plan.program.module, runners, plan.output_specs, values, plan.device).run(*inputs)
+            host.capture_up_front(key, values, run)
