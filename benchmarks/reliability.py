@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import random
 import statistics
 import subprocess
@@ -304,8 +305,10 @@ def cuda_tests(args) -> dict:
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip
         runs.append((junit, proc))
     counts, failed, summary = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0), [], []
-    for junit, proc in runs:
+    for i, (junit, proc) in enumerate(runs):
         out = proc.communicate()[0].strip()
+        if args.tests_logs:  # each process's whole output: the failures' tracebacks
+            pathlib.Path(args.tests_logs, f"cuda-tests-{i}.log").write_text(out)
         summary += out.splitlines()[-1:] if out else [f"pytest exited {proc.returncode} and printed nothing"]
         got, names = _junit_counts(junit)
         counts = {k: counts[k] + got[k] for k in counts}
@@ -377,6 +380,7 @@ def options(parser) -> None:
     parser.add_argument("--tests", default="tests/", help="cuda-tests: the test files (comma-separated)")
     parser.add_argument("--tests-k", default="", help="cuda-tests: pytest's -k expression")
     parser.add_argument("--tests-procs", type=int, default=1, help="cuda-tests: pytest processes at once")
+    parser.add_argument("--tests-logs", default="", help="cuda-tests: a folder for each process's output")
     parser.add_argument("--row-name", default="cuda-tests", help="cuda-tests: the row's variant name")
     from tests.fuzz.__main__ import options as fuzz_options
 
