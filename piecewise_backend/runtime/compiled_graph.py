@@ -236,7 +236,7 @@ class CompiledGraph:
         return out
 
     def capture_up_front(self, key: tuple, sym_values: dict, run):
-        """Run ``run()`` (the compute pieces on made-up inputs, ``up_front.py``) as the step that captures ``key``."""
+        """Run ``run()`` (the compute pieces on made-up inputs, ``capture/up_front.py``) as the step that captures ``key``."""
         self.step.replay(key, key[self._pad], False)
         return self.capturing_step(key, CaptureHow.UP_FRONT, sym_values, run)
 

@@ -45,7 +45,7 @@ FALLBACK = object()  # what :meth:`FullGraphs.call` returns when the call must r
 
 
 class FullGraphs:
-    """The full graphs of one :class:`~.compiled_graph.CompiledGraph` (held weakly, as ``up_front.py``
+    """The full graphs of one :class:`~.compiled_graph.CompiledGraph` (held weakly, as ``capture/up_front.py``
     does): capture and replay; which calls they serve, and the graphs of each weight set, are
     ``capture/decisions.py``'s (``decisions.active.full``)."""
 

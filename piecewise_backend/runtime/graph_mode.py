@@ -15,7 +15,7 @@ and from persistent device buffers in a decode step. The caller knows. So, as vL
 * ``"none"``: compiled, un-graphed (a profiling run).
 
 A context variable: each thread (and each asyncio task) has its own mode, and calls of a compiled
-graph read it once per call (what the capture policy decides with it: ``capture_policy.py``).
+graph read it once per call (what the capture policy decides with it: ``capture/policy.py``).
 """
 
 from __future__ import annotations

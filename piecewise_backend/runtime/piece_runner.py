@@ -123,7 +123,7 @@ class PieceRunner:
         if captured is None:
             if step.key in self.failed_keys:
                 return self.run_ungraphed(args)
-            return capture_piece(self, step.key, args)  # the cold path (piece_capture.py)
+            return capture_piece(self, step.key, args)  # the cold path, inline (capture/piece.py)
         checks, outputs = (
             (captured.views.get(step.size) or self._slice(captured, step.size))
             if step.padded

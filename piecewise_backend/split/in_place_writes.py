@@ -3,7 +3,7 @@
 A compute piece that writes a graph input must write the caller's tensor: the input is used in
 place, at the address the graph was captured with, never through the runner's copy. That holds
 for parameters and buffers (``mark_static_address`` too) and, here, for any input written in
-place: its address joins the weight set's (``runtime/weight_sets.py``), so a new tensor gets
+place: its address joins the weight set's (``runtime/capture/weight_sets.py``), so a new tensor gets
 graphs of its own. Two kinds of write are safe to capture and cost an eager launch each otherwise:
 
 * **index writes** of a whole input (``index_copy_``, ``index_put_``, ``scatter_``, ``masked_fill_``, ``x[idx] = v``

@@ -61,11 +61,6 @@ def wait(graph=None, timeout: float | None = None) -> bool:
     return THREAD.wait(graph, timeout)
 
 
-def waiting() -> int:
-    """Jobs queued or being captured, of every graph."""
-    return len(THREAD.jobs())
-
-
 def capture_job(job: BehindJob) -> None:
     """In the capture thread: record ``job``'s key, then publish it (see the module docstring)."""
     graph = job.graph()
