@@ -421,9 +421,11 @@ def test_cuda_tests_deal_the_tests_to_processes_and_add_their_counts(tmp_path):
     )
     (tmp_path / "test_unmarked.py").write_text("def test_not_selected(): assert False\n")
     args = argparse.Namespace(tests=f"{tmp_path}/test_marked.py,{tmp_path}/test_unmarked.py", tests_k="not skipped",
-                              tests_procs=2, row_name="cuda-tests-here", work=str(tmp_path))  # fmt: skip
+                              tests_logs=str(tmp_path), tests_procs=2, row_name="cuda-tests-here", work=str(tmp_path))  # fmt: skip
     row = reliability.cuda_tests(args)
     assert (row["passed"], row["failed"], row["skipped"]) == (4, 1, 0), row
+    logs = sorted(tmp_path.glob("cuda-tests-*.log"))  # --tests-logs: each process's output, tracebacks in it
+    assert len(logs) == 2 and any("assert 1 == 2" in log.read_text() for log in logs)
     assert [name.rsplit("::", 1)[-1] for name in row["failed_tests"]] == ["test_fails"], row
     assert row["variant"] == "cuda-tests-here" and "2 processes at once" in row["selection"], row
     assert len(row["summary"]) == 2 and sorted(tmp_path.glob("cuda-tests-*.xml")), row
