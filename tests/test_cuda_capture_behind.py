@@ -168,3 +168,27 @@ def test_a_thread_drawing_from_its_own_generator_during_captures_behind_sees_no_
         neighbour.finish()
     assert neighbour.errors == {} and neighbour.iterations > 100, neighbour.errors
     assert piecewise_backend.process_stats()["captures_behind"] >= 5
+
+
+def test_a_graph_the_caller_captures_itself_while_the_thread_records_still_captures():
+    """A caller's own ``torch.cuda.graph`` (torch's default "global" capture mode) right after a call
+    that handed a capture to the thread: the caller's capture and replay work, its output is right."""
+    torch.manual_seed(0)
+    model = Deep().cuda().eval()
+    compiled, _ = _compiled(model)
+    w = torch.randn(256, 256, device="cuda")
+    x = torch.randn(64, 256, device="cuda")
+    with torch.no_grad():
+        for n in (3, 9, 17, 33, 50):  # each a new size: a capture behind it
+            _check(compiled, model, n)
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                y = x @ w  # warm-up, as torch.cuda.graph's documentation asks
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                y = x @ w
+            x.normal_()
+            graph.replay()
+            torch.testing.assert_close(y, x @ w)
+    assert piecewise_backend.wait_for_captures(timeout=120)

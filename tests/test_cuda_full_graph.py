@@ -16,7 +16,7 @@ import piecewise_backend
 from piecewise_backend.kinds import Miss
 from toys import engine as toy
 
-from .helpers import graphed_but_behind, graphs_since, last_serial
+from .helpers import INLINE, graphed_but_behind, graphs_since, last_serial
 
 pytestmark = pytest.mark.cuda
 SMALL = dataclasses.replace(toy.TINY, hidden=128, heads=4, kv_heads=2, layers=3)
@@ -102,6 +102,7 @@ def test_full_graphs_read_new_metadata_keep_outputs_and_fall_back_on_a_host_sync
             "extra_splitting_ops": ["full_cuda_test::scaled"],
             "row_independent_ops": ["full_cuda_test::scaled"],
             "defer_captures": False,
+            **INLINE,  # counts what each call replays or captures, and toggles the op's sync around one
         },
     )
     x, y = torch.randn(6, 16, device="cuda"), torch.randn(6, 16, device="cuda")

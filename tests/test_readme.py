@@ -29,6 +29,10 @@ def test_the_readme_has_the_blocks_this_file_runs():
     assert len(_blocks("python")) == 5 and len(_blocks("bash")) == 2
 
 
+def test_the_readme_stays_under_fifteen_thousand_characters():
+    assert len(README) <= 15_000, len(README)
+
+
 @pytest.mark.parametrize("index", range(5))
 def test_each_python_block_runs_as_written(index, tmp_path):
     code = _blocks("python")[index]

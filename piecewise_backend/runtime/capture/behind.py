@@ -25,7 +25,10 @@ What makes a capture behind harmless (checked by construction, ``behind_record.p
 
 A capture that fails behind is warned about at the next call of its graph, in the caller's thread
 (the warning points at the caller's line), and its size runs un-graphed until it is retried
-(``retries.py``). ``piecewise_backend.wait_for_captures()`` waits for the thread to be idle.
+(``retries.py``). ``piecewise_backend.wait_for_captures()`` waits for the thread to be idle: before
+a capture of the caller's own in torch's default ``"global"`` capture mode, which forbids the
+thread's allocations meanwhile (``torch.cuda.graph(..., capture_error_mode="thread_local")`` does
+not), a caller that wants no retry waits for it.
 """
 
 from __future__ import annotations
