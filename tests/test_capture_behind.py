@@ -221,3 +221,24 @@ def test_an_undeclared_attention_op_is_named_once_per_graph_with_the_declaration
     explained = [line for line in piecewise_backend.explain().splitlines() if "captured per exact batch size" in line]
     assert explained and all(line.startswith("captured per exact batch size: full graphs:") for line in explained)
     assert all(ATTENTION in line and "row_independent_ops" in line for line in explained), explained
+
+
+def test_a_recording_that_fails_outside_any_piece_fails_the_key_and_is_retried_not_resubmitted(monkeypatch):
+    from piecewise_backend.runtime.capture import behind_record
+
+    model, compiled, start = _compiled()
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot evaluate u0")
+
+    monkeypatch.setattr(behind_record, "materialize", broken)  # a stand-in that cannot be made
+    _check(compiled, model, 4)
+    piecewise_backend.wait_for_captures(timeout=60)
+    graph = _graph(start)
+    with pytest.warns(UserWarning, match=r"capture at shape key \(4,\) failed \(ValueError: cannot evaluate u0\)"):
+        _check(compiled, model, 4)
+    assert graph.stats.failed_captures == graph.stats.num_compute_pieces and graph.stats.captures_behind == 1
+    for _ in range(3):  # failed: served un-graphed until its retry, not handed over at every call
+        _check(compiled, model, 4)
+        piecewise_backend.wait_for_captures(timeout=60)
+    assert graph.stats.failed_captures == graph.stats.num_compute_pieces

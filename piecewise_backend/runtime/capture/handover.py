@@ -100,7 +100,11 @@ def _record(graph, job: BehindJob):
     """Piecewise: piece name -> Captured or why it failed. Full: a WholeCapture, or why it failed."""
     key_size = job.key[graph.plan.key.pad_position] if graph.plan.key.pad_position is not None else None
     if job.mode == GraphMode.PIECEWISE:
-        return record_pieces(graph, job.key, key_size, job.template, job.values)
+        try:
+            return record_pieces(graph, job.key, key_size, job.template, job.values)
+        except Exception as exc:  # noqa: BLE001 - outside any piece (a stand-in): every piece failed, retried later
+            why = f"capture at shape key {job.key} failed ({type(exc).__name__}: {exc})"
+            return dict.fromkeys(graph.runners, why)
     try:
         return record_whole(graph, job.template, job.values)
     except Exception as exc:  # noqa: BLE001 - said at the next call (publish)
