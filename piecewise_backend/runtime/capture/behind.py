@@ -84,7 +84,6 @@ class CaptureThread:
         self._queued: dict = {}  # ident -> job, queued or being captured
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.current: BehindJob | None = None
 
     def submit(self, job: BehindJob) -> bool:
         """Queue ``job``; False if its key is queued or being captured already."""
@@ -102,9 +101,6 @@ class CaptureThread:
     def jobs(self) -> list:
         """The jobs queued or being captured."""
         return list(self._queued.values())
-
-    def queued(self, graph, mode: GraphMode, key: tuple) -> bool:
-        return (id(graph), mode, key) in self._queued
 
     def wait(self, graph=None, timeout: float | None = None) -> bool:
         """Wait until no job of ``graph`` (any graph: None) is queued or being captured; True if none is
@@ -124,14 +120,13 @@ class CaptureThread:
                 self._cond.wait_for(lambda: self._jobs or self._stopping)
                 if self._stopping:
                     return
-                job = self.current = self._jobs.popleft()
+                job = self._jobs.popleft()
             try:
                 job.context.run(self._capture, job)
             except Exception:  # noqa: BLE001 - the thread serves every graph: one failure stops none
                 log.exception("piecewise: capture behind of shape key %s failed", job.key)
             finally:
                 with self._cond:
-                    self.current = None
                     self._queued.pop(job.ident, None)
                     self._cond.notify_all()
 

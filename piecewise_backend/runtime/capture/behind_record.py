@@ -140,8 +140,8 @@ def whole_call_inputs(full, template: list, values: dict, device) -> tuple[list,
     return args, copies, written
 
 
-def record_whole(graph, template: list, values: dict) -> WholeCapture:
-    """Record ``graph``'s whole call at the symbol ``values``; raises what the recording raised."""
+def record_whole(graph, key: tuple, template: list, values: dict) -> WholeCapture:
+    """Record ``graph``'s whole call at ``key`` (the symbol ``values``); raises what the recording raised."""
     full, device = graph.full, graph.device
     args, copies, written = whole_call_inputs(full, template, values, device)
     watch = _torch_internals.OpsInFlight()
@@ -161,13 +161,9 @@ def record_whole(graph, template: list, values: dict) -> WholeCapture:
             recorded = EmulatedGraph(lambda: graph.forward_split(*args), [], lambda: watched(*private_copies(args)))
             outputs = recorded.outputs
     except Exception as exc:
-        raise RecordFailed(failure_message(values_key(graph, values), exc, watch)) from exc
+        raise RecordFailed(failure_message(key, exc, watch)) from exc
     keep = full.plan.returns_inputs
     outputs = tuple(
         weak_alias(o) if isinstance(o, torch.Tensor) and j not in keep else o for j, o in enumerate(outputs)
     )
     return WholeCapture(recorded, copies, written, outputs)
-
-
-def values_key(graph, values: dict) -> tuple:
-    return tuple(values[s] for s in graph.plan.key.symbols)

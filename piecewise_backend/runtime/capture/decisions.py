@@ -84,9 +84,8 @@ class CaptureDecisions:
         self.full_refusal = plan.full.refusal
         self.weights = WeightSets(plan.inputs.weight_indices, settings.max_weight_sets)
         self.active = WeightSet(0)  # until the first call's addresses make one (weights_ready)
-        self.inline = handover.inline_reasons(
-            plan, self.agreement
-        )  # mode -> why its captures are inline (None: behind)
+        # mode -> why its captures are made in the calls that need them (None: behind them)
+        self.inline = handover.inline_reasons(plan, self.agreement)
         self._graph = lambda: None  # the CompiledGraph these decisions are for (attach), held weakly
         self._seen_whole: set = set()  # keys called whole at least once (full graphs of exact sizes)
         self._traffic = CaptureTraffic() if self.policy.budget.caps_sizes else None
@@ -222,7 +221,7 @@ class CaptureDecisions:
             up_front.remember(key, args)
             self._warn_exact_sizes("piecewise")
             sizes = up_front.eager_sizes()
-            if sizes and self.inline[GraphMode.PIECEWISE] is not None and self.agreement is not None:
+            if sizes and self.agreement is not None:
                 up_front.capture_sizes(sizes)  # collectives: every rank in one order, before the output
             elif sizes:  # behind this call, in the capture thread, largest first
                 up_front.capture_behind(sizes)
@@ -242,13 +241,12 @@ class CaptureDecisions:
 
     def _while_behind(self, key: tuple, route: Route, args: tuple, submit: bool, captured, full: bool) -> Route:
         """The route of a call whose key (``route.key``) is to be captured behind it: the key handed
-        to the capture thread (``submit``, and the graph's captures go behind), and the call served by
-        the smallest larger captured graph it may pad into, else un-graphed. Not cached: the call
-        after the thread published the key replays it."""
-        mode = GraphMode.FULL if full else GraphMode.PIECEWISE
+        to the capture thread (``submit``: the callers pass it only where that kind's captures go
+        behind), and the call served by the smallest larger captured graph it may pad into, else
+        un-graphed. Not cached: the call after the thread published the key replays it."""
         graph = self._graph()
-        if submit and graph is not None and self.inline[mode] is None:
-            handover.submit_for(graph, mode, route.key, args)
+        if submit and graph is not None:
+            handover.submit_for(graph, GraphMode.FULL if full else GraphMode.PIECEWISE, route.key, args)
         ride = self.policy.ride(key, captured, full=full)
         if ride is not None:
             return Route(ride, route.size, padded=True, waiting=route.key, full=full)

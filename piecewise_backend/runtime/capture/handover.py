@@ -26,9 +26,9 @@ from .behind_record import record_pieces, record_whole
 from .piece import counted
 
 
-def template_of(plan, args: tuple) -> list:
-    """The args a recording keeps from a call: tensors used in place and Python scalars."""
-    kept = plan.inputs.static_inputs | plan.inputs.python_scalars | plan.full.in_place
+def template_of(args: tuple, kept) -> list:
+    """A call's ``args`` as a recording keeps them: the tensors at ``kept`` (used in place) and every
+    non-tensor; None for the other tensors (made up at the key's sizes when recorded)."""
     return [a if i in kept or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
 
 
@@ -37,19 +37,17 @@ def submit(graph, mode: GraphMode, key: tuple, template: list, values: dict, how
     weight_set = graph.decisions.active
     values = {**values, **dict(zip(graph.plan.key.symbols, key))}
     stream = torch.cuda.current_stream(graph.device) if graph.device.type == "cuda" else None
-    job = BehindJob(weakref.ref(graph), mode, key, weight_set, weight_set.generation, template, values, how)
-    job.stream = stream
+    job = BehindJob(
+        weakref.ref(graph), mode, key, weight_set, weight_set.generation, template, values, how, stream=stream
+    )
     return THREAD.submit(job)
 
 
 def submit_for(graph, mode: GraphMode, key: tuple, args: tuple) -> bool:
     """:func:`submit` what a call of ``graph`` with ``args`` gives a recording of ``key``."""
     plan = graph.plan
-    return submit(graph, mode, key, template_of(plan, args), symbol_values(plan.inputs.specs, args))
-
-
-def queued(graph, mode: GraphMode, key: tuple) -> bool:
-    return THREAD.queued(graph, mode, key)
+    kept = plan.inputs.static_inputs | plan.inputs.python_scalars | plan.full.in_place
+    return submit(graph, mode, key, template_of(args, kept), symbol_values(plan.inputs.specs, args))
 
 
 def busy(graph) -> bool:
@@ -106,7 +104,7 @@ def _record(graph, job: BehindJob):
             why = f"capture at shape key {job.key} failed ({type(exc).__name__}: {exc})"
             return dict.fromkeys(graph.runners, why)
     try:
-        return record_whole(graph, job.template, job.values)
+        return record_whole(graph, job.key, job.template, job.values)
     except Exception as exc:  # noqa: BLE001 - said at the next call (publish)
         if graph.device.type == "cuda":
             device_graphs(graph.device).recover()
@@ -150,7 +148,7 @@ def inline_reasons(plan, agreement) -> dict:
         reason = "capture_behind=False"
     elif agreement is not None:
         reason = "it has collectives: every rank captures at the same call"
-    elif any(s.device.type == "cpu" for i, s in _tensor_specs(plan) if plan.device.type == "cuda"):
+    elif plan.device.type == "cuda" and any(s.device.type == "cpu" for s in _tensor_specs(plan)):
         reason = "it reads host tensors"
     elif _sizes_only_a_call_knows(plan):
         reason = "an eager piece makes a size only a real call knows (a value read with .item())"
@@ -174,22 +172,26 @@ def _flat(specs) -> list:
     return out
 
 
-def _tensor_specs(plan):
+def _tensor_specs(plan) -> list:
+    """The graph's tensor inputs, Python floats passed as CPU scalars left out."""
     scalars = plan.inputs.python_scalars
-    return [(i, s) for i, s in enumerate(plan.inputs.specs) if isinstance(s, TensorSpec) and i not in scalars]
+    return [s for i, s in enumerate(plan.inputs.specs) if isinstance(s, TensorSpec) and i not in scalars]
 
 
 THREAD = CaptureThread(capture_job)
 atexit.register(THREAD.stop)
 
 
-def _prime_handles(device: torch.device, _done: set = set()) -> None:  # noqa: B006 - the thread's own record
+_PRIMED: set = set()  # device indices whose cuBLAS handles the capture thread has made
+
+
+def _prime_handles(device: torch.device) -> None:
     """Create this thread's cuBLAS and cuBLASLt handles outside any capture (the first matmul of a
     thread creates them; inside a capture that would fail it)."""
-    if device_index(device) in _done:
+    if device_index(device) in _PRIMED:
         return
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.ones(8, 8, device=device, dtype=dtype)
         torch.nn.functional.linear(x, x, x[0])
         torch.mm(x, x)
-    _done.add(device_index(device))
+    _PRIMED.add(device_index(device))

@@ -238,19 +238,15 @@ class CapturePolicy:
         return route
 
     def ride(self, key: tuple, captured, full: bool = False) -> tuple | None:
-        """The smallest captured key (among ``captured``) that ``key``'s call may pad up into: its own
-        bucket's, else a larger one; None where padding is refused or none is captured."""
+        """The smallest captured key (among ``captured``) larger than ``key``'s bucket that its call may
+        pad up into (its bucket is the one to capture); None where padding is refused or none is
+        captured."""
         rule = self.full if full else self.pieces
         if self.pad_position is None or not rule.padding:
             return None
-        size = key[self.pad_position]
         rows = rule.row_limit(key) if rule.row_limit is not None else None
-        bucket = self.bucket(size, rows, rule)
-        if bucket is None:
-            return None
-        if bucket != size and self.with_size(key, bucket) in captured:
-            return self.with_size(key, bucket)
-        return self._ride(key, bucket, captured, rows, rule)
+        bucket = self.bucket(key[self.pad_position], rows, rule)
+        return None if bucket is None else self._ride(key, bucket, captured, rows, rule)
 
     def _ride(self, key: tuple, bucket: int, captured, rows: int | None, rule: SizeRule) -> tuple | None:
         """The smallest captured key larger than ``bucket`` that ``key`` may pad up to, or None."""

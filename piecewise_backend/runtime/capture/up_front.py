@@ -84,8 +84,7 @@ class UpFrontCapture:
 
     def remember(self, key: tuple, args: tuple) -> None:
         """Keep what capture() needs from a real call: weights (by reference) and symbol values."""
-        kept = self.plan.inputs.static_inputs | self.plan.inputs.python_scalars
-        self._template = [a if i in kept or not isinstance(a, torch.Tensor) else None for i, a in enumerate(args)]
+        self._template = handover.template_of(args, self.plan.inputs.static_inputs | self.plan.inputs.python_scalars)
         self._key = key
         self._values = symbol_values(self.plan.inputs.specs, args)
 
@@ -185,8 +184,9 @@ class UpFrontCapture:
             self._submit(key)
 
     def _submit(self, key: tuple) -> None:
-        values = {**self._values, **dict(zip(self.plan.key.symbols, key))}
-        handover.submit(self._graph(), GraphMode.PIECEWISE, key, list(self._template), values, CaptureHow.UP_FRONT)
+        handover.submit(
+            self._graph(), GraphMode.PIECEWISE, key, list(self._template), self._values, CaptureHow.UP_FRONT
+        )
 
     def keys_of(self, sizes) -> list[tuple]:
         """The shape keys of ``sizes`` (checked), largest first."""
