@@ -59,7 +59,7 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks import ramp
+from benchmarks import peer, ramp
 from benchmarks.harness import Suite
 from toys import engine as toy
 
@@ -72,6 +72,7 @@ VARIANTS = (
     "eager",
     "inductor",
     "reduce-overhead",
+    "hand-captured",
 )
 SEED_VLLM = {
     "piecewise": {"tpot_median_ms": 5.75, "ttft_median_ms": 28.9, "itl_p99_ms": 6.58},
@@ -92,6 +93,13 @@ def build(config: str, variant: str, device: str, dtype):
     return model.init_weights_().to(device, dtype).eval()
 
 
+def capture_sizes() -> tuple:
+    """The backend's default capture sizes (the peer pads to the same)."""
+    from piecewise_backend.config import scheme_sizes
+
+    return scheme_sizes("default", 512)
+
+
 def percentile(values: list, q: float) -> float | None:
     if not values:
         return None
@@ -107,6 +115,8 @@ def compiled(model, variant: str):
         return torch.compile(model)
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
+    if variant == "hand-captured":  # the peer: Inductor's default, decode steps captured by hand
+        return peer.HandCaptured(model, capture_sizes())
     options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
     if variant == "full-and-piecewise-inline":  # the reference: a new size captured in the call that meets it
         options["capture_behind"] = False
@@ -217,8 +227,11 @@ def serve(args, variant: str) -> Iterator[dict]:
     """One variant: start-up, the seed workload, then the sweep: the seed row, then a row per level."""
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build(args.config, variant, device, dtype)
-    engine = engine_for(model, compiled(model, variant), variant, device, dtype, args)
-    sizes = [s for s in (1, 2, 4, *range(8, 513, 8)) if s <= max(args.in_flight)]
+    forward = compiled(model, variant)
+    engine = engine_for(model, forward, variant, device, dtype, args)
+    if isinstance(forward, peer.HandCaptured):
+        forward.attach(engine)
+    sizes = [s for s in capture_sizes() if s <= max(args.in_flight)]
     engine.warm_up(freeze_gc=True, decode_sizes=sizes if variant == "full-and-piecewise-all" else ())
     _sync(device)
     startup = time.perf_counter() - _STARTED
@@ -315,6 +328,8 @@ def agreement(args, variant: str) -> float:
 
     def tokens(forward):
         engine = engine_for(model, forward, variant, args.device, torch.float32, args)
+        if isinstance(forward, peer.HandCaptured):
+            forward.attach(engine)
         return [r.output for r in engine.run(toy.seeded_trace(6, seed=1, vocab=model.cfg.vocab, **trace))]
 
     expected = tokens(model)

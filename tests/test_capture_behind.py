@@ -242,3 +242,37 @@ def test_a_recording_that_fails_outside_any_piece_fails_the_key_and_is_retried_n
         _check(compiled, model, 4)
         piecewise_backend.wait_for_captures(timeout=60)
     assert graph.stats.failed_captures == graph.stats.num_compute_pieces
+
+
+def test_a_key_goes_to_the_capture_thread_only_once_the_call_that_asked_has_run(monkeypatch):
+    """Its kernels ran first (Inductor tunes, Triton loads, at a first launch: never inside a capture);
+    a call that raised hands nothing over (a later call asks again)."""
+    from piecewise_backend.runtime.capture import handover
+
+    model, compiled, start = _compiled()
+    _check(compiled, model, 2)
+    piecewise_backend.wait_for_captures()
+    graph = _graph(start)
+    timeline, run_split, capture = [], graph.forward_split, handover.THREAD._capture
+
+    def slow_split(*args):
+        out = run_split(*args)
+        threading.Event().wait(0.2)  # the thread, were it handed the key already, would start meanwhile
+        timeline.append("call ran")
+        if any(isinstance(a, torch.Tensor) and a.shape[:1] == (5,) for a in args):
+            raise RuntimeError("this call fails")
+        return out
+
+    def recorded(job):
+        timeline.append(f"capture {job.key}")
+        return capture(job)
+
+    monkeypatch.setattr(graph, "forward_split", slow_split)
+    monkeypatch.setattr(handover.THREAD, "_capture", recorded)
+    with pytest.raises(RuntimeError, match="this call fails"):
+        compiled(torch.randn(5, 16))  # asks for the key of 8, then raises
+    assert piecewise_backend.wait_for_captures(timeout=30)
+    assert timeline == ["call ran"] and graph.stats.captures_behind == 1  # (2's) none for 8
+    _check(compiled, model, 7)
+    assert piecewise_backend.wait_for_captures(timeout=30)
+    assert timeline[1:] == ["call ran", "capture (8,)"] and graph.stats.captures_behind == 2

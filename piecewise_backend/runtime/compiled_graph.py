@@ -30,7 +30,7 @@ from ..kinds import CaptureHow, GraphMode, PieceKind
 from ..plan.types import PieceCode
 from . import compile_clock
 from .call_guard import call_guard
-from .capture import CaptureDecisions, UpFrontCapture, wait_for_captures
+from .capture import CaptureDecisions, UpFrontCapture, hold_captures, release_captures, wait_for_captures
 from .code_switch import CodeSwitch
 from .devices import pool_bytes, synchronize
 from .full_graph import FALLBACK, FullGraphs
@@ -165,10 +165,18 @@ class CompiledGraph:
             self.warnings.flush()
         if self.code_switch.pending:  # code compiled behind (code_switch.py): all pieces at once, then capture
             self.code_switch.apply(self)
-        if self._graphs_off:  # never graphed: nothing shared with other callers
-            return self._call(args)
-        with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
-            return self._call(args)
+        held = hold_captures()  # the captures this call asks for start once it has run (behind.py)
+        try:
+            if self._graphs_off:  # never graphed: nothing shared with other callers
+                out = self._call(args)
+            else:
+                with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
+                    out = self._call(args)
+        except BaseException:
+            release_captures(held, ran=False)
+            raise
+        release_captures(held, ran=True)
+        return out
 
     def _call(self, args: tuple):
         if self._sdpa_backends is None:

@@ -16,10 +16,13 @@ What the rest of run time uses comes from here, never from the modules inside:
 
 from .captured import Captured, WholeCapture
 from .decisions import CaptureDecisions
+from .handover import THREAD
 from .handover import wait as wait_for_captures
 from .piece import capture_piece
 from .policy import Route
 from .up_front import UpFrontCapture
+
+hold_captures, release_captures = THREAD.hold, THREAD.release  # around each call (behind.py: why)
 
 __all__ = [
     "CaptureDecisions",
@@ -28,5 +31,7 @@ __all__ = [
     "UpFrontCapture",
     "WholeCapture",
     "capture_piece",
+    "hold_captures",
+    "release_captures",
     "wait_for_captures",
 ]

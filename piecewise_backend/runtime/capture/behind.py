@@ -84,19 +84,58 @@ class CaptureThread:
         self._queued: dict = {}  # ident -> job, queued or being captured
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._calls = threading.local()  # .held: the jobs a call of this thread submitted (hold)
 
     def submit(self, job: BehindJob) -> bool:
-        """Queue ``job``; False if its key is queued or being captured already."""
+        """Queue ``job``; False if its key is queued or being captured already. Inside a call
+        (:meth:`hold`), the job waits for the end of that call (:meth:`release`)."""
+        held = getattr(self._calls, "held", None)
         with self._cond:
             if self._stopping or job.ident in self._queued:
                 return False
             self._queued[job.ident] = job
-            self._jobs.append(job)
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="piecewise-capture-behind", daemon=True)
-                self._thread.start()
-            self._cond.notify_all()
+            if held is not None:
+                held.append(job)
+                return True
+            self._start([job])
         return True
+
+    def hold(self) -> list | None:
+        """Hold the jobs this thread submits until :meth:`release`; None inside a call that holds already.
+
+        Why: a capture behind runs no kernel, so it must meet none that has never run. Inductor tunes
+        a kernel of several configurations at its first launch (``torch.cuda.synchronize`` between
+        timed runs: illegal inside a capture), Triton compiles and loads a kernel at its first launch
+        (a module load: illegal too). The call that asks for a key runs the graph's kernels itself,
+        so its jobs go to the thread once it has run, never while it runs."""
+        if getattr(self._calls, "held", None) is not None:
+            return None
+        self._calls.held = held = []
+        return held
+
+    def release(self, held: list | None, ran: bool) -> None:
+        """End :meth:`hold`: queue the held jobs if the call ran, else drop them (a call that raised
+        may not have run every kernel; a later call asks again)."""
+        if held is None:
+            return
+        self._calls.held = None
+        if not held:
+            return
+        with self._cond:
+            if ran and not self._stopping:
+                self._start(held)
+                return
+            for job in held:
+                self._queued.pop(job.ident, None)
+            self._cond.notify_all()
+
+    def _start(self, jobs: list) -> None:
+        """Queue ``jobs`` (the caller holds the condition), the thread started if it is not running."""
+        self._jobs.extend(jobs)
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="piecewise-capture-behind", daemon=True)
+            self._thread.start()
+        self._cond.notify_all()
 
     def jobs(self) -> list:
         """The jobs queued or being captured."""
