@@ -136,7 +136,7 @@ def test_a_whole_decode_step_recorded_behind_leaves_the_kv_cache_bit_for_bit():
     """The decode buffers hold the last step's real slots while the thread records that size's
     graph; a recording that ran the step (a warm-up run) would write stand-in keys there."""
     torch._dynamo.reset()
-    model = _model()
+    model = _model().to(torch.bfloat16)  # (the cache's dtype: the prefill's attention takes one dtype)
     engine = _engine(model, torch.compile(model, backend="piecewise", options=OPTIONS), dtype=torch.bfloat16)
     engine.warm_up()
     engine.run(toy.seeded_trace(3, prompt=(5, 9), output=(3, 3), vocab=model.cfg.vocab))
