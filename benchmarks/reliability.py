@@ -1,6 +1,7 @@
 """Suite ``reliability``: outputs against eager under random models (``fuzz``), lazy capture inside a
 live process (``threads``: another thread's CUDA work during captures, concurrent callers), and the
-package's CUDA tests (``cuda-tests``).
+package's CUDA tests (``cuda-tests``), and which calls of a neighbour thread an open capture
+tolerates (``capture-neighbours``).
 
     python -m benchmarks reliability [--variants fuzz,threads] [--calls 200] [--concurrent 400] [--capture-modes]
     python -m benchmarks reliability --smoke      # CPU: graphs emulated, a few calls and models
@@ -357,6 +358,108 @@ def _junit_counts(path: str) -> tuple[dict, list[str]]:
     return counts, failed
 
 
+# -- capture-neighbours ------------------------------------------------------------------------------
+# Which CUDA calls of another thread fail, or break the capture, while one thread captures a CUDA graph
+# in "thread_local" mode on a non-blocking side stream (what the capture thread does behind the calls).
+# Pure torch. Why: the capture thread records while the callers' threads go on, so whatever a caller
+# may do then (sync a value, synchronize the device, allocate, free the cache, compile a Triton kernel)
+# must be safe beside an open capture. Thread-local mode spares only other threads' *unsafe* calls; a
+# device-wide synchronize waits for every stream, the capturing one included (NVIDIA/TensorRT#2888).
+# Each action runs once in the main thread while the other holds a capture open; per action: what the
+# main thread's call raised ("ok": nothing) and how the capture ended.
+
+
+def _triton_first_launch(device) -> None:
+    """A Triton kernel compiled and loaded at its first launch (a module load)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fill(out, n: tl.constexpr):
+        tl.store(out + tl.arange(0, n), tl.arange(0, n).to(tl.float32))
+
+    fill[(1,)](torch.empty(64, device=device), 64)
+
+
+def _actions(device, x) -> dict:
+    def event(sync: bool):
+        e = torch.cuda.Event()
+        e.record()
+        return e.synchronize() if sync else e.query()
+
+    def other_stream():
+        s = torch.cuda.Stream(device)
+        s.wait_stream(torch.cuda.current_stream(device))
+        s.synchronize()
+
+    return {
+        "launch": lambda: x * 2,
+        "item": lambda: x.sum().item(),
+        "tolist": lambda: x[:4, 0].tolist(),
+        "stream_synchronize": lambda: torch.cuda.current_stream(device).synchronize(),
+        "other_stream_synchronize": other_stream,
+        "device_synchronize": lambda: torch.cuda.synchronize(device),
+        "event_query": lambda: event(False),
+        "event_synchronize": lambda: event(True),
+        "malloc_1gib": lambda: torch.empty(1 << 30, dtype=torch.uint8, device=device),
+        "empty_cache": torch.cuda.empty_cache,
+        "pinned_alloc": lambda: torch.empty(1000, pin_memory=True),
+        "host_to_device": lambda: torch.arange(100).to(device),
+        "triton_first_launch": lambda: _triton_first_launch(device),
+    }
+
+
+def _trial(action, x, side) -> dict:
+    opened, done, out = threading.Event(), threading.Event(), {}
+
+    def capture():
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            x @ x  # cuBLAS's handle and workspace of this thread, outside the capture
+            side.synchronize()
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                y = x @ x
+                opened.set()
+                done.wait(10)
+                y + 1
+            except Exception as exc:  # noqa: BLE001 - what the capturing thread's own launches met
+                out["capturing_thread"] = f"{type(exc).__name__}: {exc}"[:160]
+            finally:
+                try:
+                    graph.capture_end()
+                    out["capture"] = "ok"
+                except Exception as exc:  # noqa: BLE001
+                    out["capture"] = f"{type(exc).__name__}: {exc}"[:160]
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    opened.wait(10)
+    try:
+        action()
+        out["neighbour"] = "ok"
+    except Exception as exc:  # noqa: BLE001 - the finding
+        out["neighbour"] = f"{type(exc).__name__}: {exc}"[:160]
+    done.set()
+    thread.join()
+    try:
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - left behind by the action
+        out["after"] = f"{type(exc).__name__}: {exc}"[:120]
+    return out
+
+
+def capture_neighbours(device: str) -> dict:
+    """One entry per action: {neighbour, capture[, capturing_thread, after]}."""
+    if not device.startswith("cuda"):
+        return {"error": "capture-neighbours needs a CUDA device"}
+    device = torch.device(device)
+    x = torch.randn(512, 512, device=device)
+    side = torch.cuda.Stream(device)
+    torch.cuda.synchronize()
+    return {name: _trial(action, x, side) for name, action in _actions(device, x).items()}
+
+
 def rows(variant: str, args) -> Iterator[dict]:
     warnings.simplefilter("ignore")
     if variant == "cuda-tests":
@@ -364,6 +467,9 @@ def rows(variant: str, args) -> Iterator[dict]:
         return
     if variant == "threads":
         yield threads(args)
+        return
+    if variant == "capture-neighbours":
+        yield capture_neighbours(args.device)
         return
     from tests.fuzz.__main__ import run
 
@@ -389,7 +495,7 @@ def options(parser) -> None:
 
 # fmt: off
 SUITE = Suite("reliability", "outputs against eager: random models (fuzz), capture beside other threads (threads), CUDA tests",
-              ("fuzz", "threads", "cuda-tests"), rows, options, default=("fuzz", "threads"), timeout=900,
+              ("fuzz", "threads", "cuda-tests", "capture-neighbours"), rows, options, default=("fuzz", "threads"), timeout=900,
               smoke=("--device cpu --calls 12 --concurrent 16 --models 2 --steps 6 --max-batch 20 --replays 0 "
                      "--concurrent-models 1 --concurrent-calls 8").split())
 # fmt: on

@@ -237,11 +237,11 @@ def ramp_line(files: dict[str, dict]) -> str:
         steady = f.get("steady_step_median_ms") or 0
         longest = f"{f['wave1_longest_step_ms'] / steady:.1f}×" if steady and f.get("wave1_longest_step_ms") else "n/a"
         parts.append(
-            f"{name} {f['wave1_over_wave2']:.2f} (peak step {longest} steady; "
-            f"{f['request_path_capture_s']:.1f}/{f['request_path_compile_s']:.1f} s capturing/compiling in calls; "
+            f"{name} {f['wave1_over_wave2']:.2f} (peak step {longest} steady, "
+            f"{f['request_path_capture_s']:.1f}/{f['request_path_compile_s']:.1f} s capture/compile in calls, "
             f"{f['triton_compiles_during_waves']} Triton compiles)"
         )
-    return f"wave 1 / wave 2 tok/s, 128 requests at once ({_stamp([rows[0][1]])}): " + "; ".join(parts) + "."
+    return f"wave 1 / wave 2 tok/s, 128 at once ({_stamp([rows[0][1]])}): " + "; ".join(parts) + "."
 
 
 RAMP_ROWS = (("op declared", "declared"), ("not declared", "undeclared"), ("warm restart", "declared-warm"))

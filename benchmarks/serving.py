@@ -59,7 +59,7 @@ from collections.abc import Iterator
 
 import torch
 
-from benchmarks import peer, ramp
+from benchmarks import ramp
 from benchmarks.harness import Suite
 from toys import engine as toy
 
@@ -116,7 +116,7 @@ def compiled(model, variant: str):
     if variant == "reduce-overhead":
         return torch.compile(model, mode="reduce-overhead")
     if variant == "hand-captured":  # the peer: Inductor's default, decode steps captured by hand
-        return peer.HandCaptured(model, capture_sizes())
+        return HandCaptured(model, capture_sizes())
     options = {"extra_splitting_ops": [toy.ATTENTION], "row_independent_ops": [toy.ATTENTION]}
     if variant == "full-and-piecewise-inline":  # the reference: a new size captured in the call that meets it
         options["capture_behind"] = False
@@ -132,6 +132,58 @@ def compiled(model, variant: str):
 
         return piecewise_only
     return forward
+
+
+# -- the peer: what an engine author would write by hand ----------------------------------------------
+
+
+class HandCaptured:
+    """The ``hand-captured`` variant, the bar an engine author sets before adopting the backend:
+    ``torch.compile(model)`` (Inductor's default) plus the CUDA graphs they would capture by hand.
+    Decode-only steps (the engine's graph-safe :class:`~toys.engine.DecodeMetadata` path) are padded
+    to the backend's capture sizes and replayed from one ``torch.cuda.CUDAGraph`` per size, captured
+    the first time a size is met (inside that step), in one memory pool, over the engine's
+    persistent decode buffers; every other step runs the compiled model un-graphed. Same warm-up and
+    sizes as the backend's variants. :meth:`attach` gives it the engine's decode buffers (made after it)."""
+
+    def __init__(self, model, sizes: tuple):
+        self.compiled = torch.compile(model)
+        self.sizes = sorted(sizes)
+        self.graphs: dict[int, tuple] = {}  # padded size -> (graph, its output)
+        self.pool = None
+        self.buffers = None
+
+    def attach(self, engine: toy.Engine) -> HandCaptured:
+        self.buffers = engine._decode
+        return self
+
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        n = ids.shape[0]
+        decode = isinstance(toy._CONTEXT.get(), toy.DecodeMetadata)
+        size = next((s for s in self.sizes if s >= n), None)
+        if not (decode and ids.is_cuda and size is not None and size <= self.buffers.step.shape[1]):
+            return self.compiled(ids, positions)
+        if size not in self.graphs:
+            self.graphs[size] = self._capture(size)
+        graph, out = self.graphs[size]
+        graph.replay()
+        return out[:n]
+
+    def _capture(self, size: int) -> tuple:
+        """Rows past the step are the buffers' padding (slot -1, length 0): they write and read nothing."""
+        ids, positions = self.buffers.step[0, :size], self.buffers.step[1, :size]
+        torch._dynamo.mark_dynamic(ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up run torch.cuda.graph's documentation asks for
+            self.compiled(ids, positions)
+        torch.cuda.current_stream().wait_stream(side)
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.compiled(ids, positions)
+        return graph, out
 
 
 def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.Engine:
@@ -229,7 +281,7 @@ def serve(args, variant: str) -> Iterator[dict]:
     model = build(args.config, variant, device, dtype)
     forward = compiled(model, variant)
     engine = engine_for(model, forward, variant, device, dtype, args)
-    if isinstance(forward, peer.HandCaptured):
+    if isinstance(forward, HandCaptured):
         forward.attach(engine)
     sizes = [s for s in capture_sizes() if s <= max(args.in_flight)]
     engine.warm_up(freeze_gc=True, decode_sizes=sizes if variant == "full-and-piecewise-all" else ())
@@ -328,7 +380,7 @@ def agreement(args, variant: str) -> float:
 
     def tokens(forward):
         engine = engine_for(model, forward, variant, args.device, torch.float32, args)
-        if isinstance(forward, peer.HandCaptured):
+        if isinstance(forward, HandCaptured):
             forward.attach(engine)
         return [r.output for r in engine.run(toy.seeded_trace(6, seed=1, vocab=model.cfg.vocab, **trace))]
 

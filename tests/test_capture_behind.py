@@ -276,3 +276,59 @@ def test_a_key_goes_to_the_capture_thread_only_once_the_call_that_asked_has_run(
     _check(compiled, model, 7)
     assert piecewise_backend.wait_for_captures(timeout=30)
     assert timeline[1:] == ["call ran", "capture (8,)"] and graph.stats.captures_behind == 2
+
+
+def test_a_graphs_first_call_runs_holding_the_capture_lock_and_later_calls_do_not(monkeypatch):
+    """A first call tunes and loads kernels (a device-wide synchronize): never beside a recording."""
+    from piecewise_backend.runtime.compiled_graph import CompiledGraph
+
+    owned, call = [], CompiledGraph._call
+
+    def watched(self, args):
+        owned.append(self.call_guard.capture_lock._is_owned())
+        return call(self, args)
+
+    monkeypatch.setattr(CompiledGraph, "_call", watched)
+    model, compiled, _ = _compiled()
+    for n in (2, 2, 3):
+        _check(compiled, model, n)
+    assert owned == [True, False, False]
+
+
+def test_device_wide_synchronizes_wait_for_a_recording_in_progress_instead_of_failing(monkeypatch):
+    """``torch.cuda.synchronize`` / ``empty_cache`` beside an open capture fail and break it (CUDA):
+    once the capture thread is used, they take the device's capture lock first."""
+    from piecewise_backend._torch_internals import device_syncs
+
+    calls, lock = [], threading.RLock()
+
+    def synchronize(device=None):
+        calls.append(("synchronize", device))
+
+    monkeypatch.setattr(device_syncs, "_ORIGINALS", {})
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr("torch.cuda._utils._get_device_index", lambda device, optional=False: 0)
+    device_syncs.guard_device_syncs(lambda index: lock, lambda: [0])
+    device_syncs.guard_device_syncs(lambda index: None, lambda: [])  # once per process: a second does nothing
+    recording, recorded = threading.Event(), threading.Event()
+
+    def record():  # what the capture thread does: the lock held while a capture is open
+        with lock:
+            recording.set()
+            recorded.wait(10)
+
+    recorder = threading.Thread(target=record)
+    recorder.start()
+    recording.wait(10)
+    callers = [threading.Thread(target=torch.cuda.synchronize), threading.Thread(target=torch.cuda.empty_cache)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(0.3)
+    assert calls == [] and all(c.is_alive() for c in callers)  # waiting, not failing
+    recorded.set()
+    for caller in callers + [recorder]:
+        caller.join(10)
+    assert sorted(map(str, calls)) == ["('synchronize', None)", "empty_cache"]
+    assert torch.cuda.synchronize.__wrapped__ is synchronize  # (functools.wraps: it looks like what it wraps)

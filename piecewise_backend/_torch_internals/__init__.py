@@ -1,6 +1,7 @@
 """Every private torch API the package touches, in this folder only (a structure test greps for it):
 this module (tracing, fake tensors, FX, Inductor's workers), ``cuda_capture`` (capture that touches no
-random-number generator) and ``aot`` (torch's AOT route). Checked against torch 2.11.0 (the GPU
+random-number generator), ``device_syncs`` (device-wide synchronizes that wait for a capture in
+progress) and ``aot`` (torch's AOT route). Checked against torch 2.11.0 (the GPU
 machine), 2.13.0 and 2.14.1: after a torch upgrade, read this folder first.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from .device_syncs import guard_device_syncs, original_synchronize  # noqa: F401 (the package's way in)
 from .dispatch_modes import OpsInFlight, RandomOpsSeen  # noqa: F401 (the package's way in)
 
 

@@ -84,3 +84,9 @@ def call_guard(device: torch.device) -> CallGuard:
                 key, CallGuard(torch.device(device.type, index) if index is not None else torch.device(device.type))
             )
     return guard
+
+
+def guarded_devices(device_type: str) -> list[int]:
+    """The indices of the devices of ``device_type`` that have a guard (a graph of theirs was made)."""
+    with _GUARDS_LOCK:
+        return [index for kind, index in _GUARDS if kind == device_type and index is not None]

@@ -72,6 +72,7 @@ class CompiledGraph:
         self.step_scalars = StepScalars(plan.step_scalars) if plan.step_scalars is not None else None
         # read on every call: kept here rather than derived from the plan each time
         self._graphs_off = plan.graphs_disabled_reason is not None
+        self._kernels_ran = False  # has a call run every piece's kernels yet (_first_call)
         self._shape_key = plan.key.of
         self._pad = plan.key.pad_position
         self._sdpa_backends = (
@@ -168,14 +169,24 @@ class CompiledGraph:
         held = hold_captures()  # the captures this call asks for start once it has run (behind.py)
         try:
             if self._graphs_off:  # never graphed: nothing shared with other callers
-                out = self._call(args)
+                out = self._call(args) if self._kernels_ran else self._first_call(args)
             else:
                 with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
-                    out = self._call(args)
+                    out = self._call(args) if self._kernels_ran else self._first_call(args)
         except BaseException:
             release_captures(held, ran=False)
             raise
         release_captures(held, ran=True)
+        return out
+
+    def _first_call(self, args: tuple):
+        """The first call launches kernels that never ran: Inductor tunes one of several configurations
+        there (``torch.cuda.synchronize`` between timed runs), Triton loads its module. A device-wide
+        synchronize fails, and breaks the capture, while any stream of the device is capturing: so
+        not beside a recording of the capture thread (the device's capture lock)."""
+        with self.call_guard.capture_lock:
+            out = self._call(args)
+        self._kernels_ran = True
         return out
 
     def _call(self, args: tuple):

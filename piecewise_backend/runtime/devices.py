@@ -43,13 +43,17 @@ import torch
 
 from .. import _torch_internals
 from .._torch_internals.cuda_capture import RawGraph, capture_marks_default_generator, cudart
+from .call_guard import call_guard
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Wait for the GPU (a no-op for CPU devices)."""
+    """Wait for the GPU (a no-op for CPU devices); never while the capture thread records on it: a
+    device-wide synchronize fails while any stream of the device is capturing, whatever the capture
+    mode (NVIDIA/TensorRT#2888), and breaks that capture."""
     device = torch.device(device)
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        with call_guard(device).capture_lock:
+            _torch_internals.original_synchronize()(device)
 
 
 def device_index(device: torch.device) -> int:

@@ -17,8 +17,10 @@ import weakref
 
 import torch
 
+from ... import _torch_internals
 from ...kinds import CaptureHow, GraphMode
 from ...plan.types import TensorSpec
+from ..call_guard import call_guard, guarded_devices
 from ..devices import device_graphs, device_index
 from ..symbolic import spec_symbols, symbol_values
 from .behind import BehindJob, CaptureThread
@@ -36,7 +38,10 @@ def submit(graph, mode: GraphMode, key: tuple, template: list, values: dict, how
     """Queue the capture of ``key`` for ``graph``'s active weight set (False: already queued)."""
     weight_set = graph.decisions.active
     values = {**values, **dict(zip(graph.plan.key.symbols, key))}
-    stream = torch.cuda.current_stream(graph.device) if graph.device.type == "cuda" else None
+    stream = None
+    if graph.device.type == "cuda":
+        stream = torch.cuda.current_stream(graph.device)
+        _torch_internals.guard_device_syncs(_capture_lock_of, _cuda_devices)  # (once per process)
     job = BehindJob(
         weakref.ref(graph), mode, key, weight_set, weight_set.generation, template, values, how, stream=stream
     )
@@ -48,6 +53,14 @@ def submit_for(graph, mode: GraphMode, key: tuple, args: tuple) -> bool:
     plan = graph.plan
     kept = plan.inputs.static_inputs | plan.inputs.python_scalars | plan.full.in_place
     return submit(graph, mode, key, template_of(args, kept), symbol_values(plan.inputs.specs, args))
+
+
+def _capture_lock_of(index: int):
+    return call_guard(torch.device("cuda", index)).capture_lock
+
+
+def _cuda_devices() -> list[int]:
+    return guarded_devices("cuda")
 
 
 def busy(graph) -> bool:
