@@ -153,9 +153,8 @@ class HandCaptured:
         self.pool = None
         self.buffers = None
 
-    def attach(self, engine: toy.Engine) -> HandCaptured:
+    def attach(self, engine: toy.Engine) -> None:
         self.buffers = engine._decode
-        return self
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = ids.shape[0]
@@ -200,7 +199,7 @@ def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.En
         + 8
     )  # (the warm-up's step at the budget)
     mode = "piecewise" if variant in ("piecewise",) else "full_and_piecewise"
-    return toy.Engine(
+    engine = toy.Engine(
         model,
         forward,
         max_num_tokens=args.max_num_tokens,
@@ -210,6 +209,9 @@ def engine_for(model, forward, variant: str, device: str, dtype, args) -> toy.En
         dtype=dtype,
         graph_mode=mode,
     )
+    if isinstance(forward, HandCaptured):
+        forward.attach(engine)
+    return engine
 
 
 def requests(n: int, prompt: int, output: int, rate: float, vocab: int, seed: int = 0) -> list:
@@ -279,10 +281,7 @@ def serve(args, variant: str) -> Iterator[dict]:
     """One variant: start-up, the seed workload, then the sweep: the seed row, then a row per level."""
     device, dtype = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32
     model = build(args.config, variant, device, dtype)
-    forward = compiled(model, variant)
-    engine = engine_for(model, forward, variant, device, dtype, args)
-    if isinstance(forward, HandCaptured):
-        forward.attach(engine)
+    engine = engine_for(model, compiled(model, variant), variant, device, dtype, args)
     sizes = [s for s in capture_sizes() if s <= max(args.in_flight)]
     engine.warm_up(freeze_gc=True, decode_sizes=sizes if variant == "full-and-piecewise-all" else ())
     _sync(device)
@@ -380,8 +379,6 @@ def agreement(args, variant: str) -> float:
 
     def tokens(forward):
         engine = engine_for(model, forward, variant, args.device, torch.float32, args)
-        if isinstance(forward, HandCaptured):
-            forward.attach(engine)
         return [r.output for r in engine.run(toy.seeded_trace(6, seed=1, vocab=model.cfg.vocab, **trace))]
 
     expected = tokens(model)

@@ -308,7 +308,7 @@ def test_device_wide_synchronizes_wait_for_a_recording_in_progress_instead_of_fa
     monkeypatch.setattr(device_syncs, "_ORIGINALS", {})
     monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
-    monkeypatch.setattr("torch.cuda._utils._get_device_index", lambda device, optional=False: 0)
+    monkeypatch.setattr(device_syncs, "_get_device_index", lambda device, optional=False: 0)
     device_syncs.guard_device_syncs(lambda index: lock, lambda: [0])
     device_syncs.guard_device_syncs(lambda index: None, lambda: [])  # once per process: a second does nothing
     recording, recorded = threading.Event(), threading.Event()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from .device_syncs import guard_device_syncs, original_synchronize  # noqa: F401 (the package's way in)
+from .device_syncs import guard_device_syncs  # noqa: F401 (the package's way in)
 from .dispatch_modes import OpsInFlight, RandomOpsSeen  # noqa: F401 (the package's way in)
 
 

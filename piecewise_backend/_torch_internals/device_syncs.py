@@ -22,6 +22,7 @@ import threading
 from collections.abc import Callable
 
 import torch
+from torch.cuda._utils import _get_device_index
 
 _ORIGINALS: dict = {}  # name -> the torch function replaced (empty: not replaced)
 _LOCK = threading.Lock()
@@ -38,8 +39,6 @@ def guard_device_syncs(capture_lock_of: Callable[[int], threading.RLock], known_
 
     @functools.wraps(synchronize)
     def synchronize_after_captures(device=None):
-        from torch.cuda._utils import _get_device_index
-
         with capture_lock_of(_get_device_index(device, optional=True)):
             return synchronize(device)
 
@@ -56,8 +55,3 @@ def guard_device_syncs(capture_lock_of: Callable[[int], threading.RLock], known_
 
     torch.cuda.synchronize = synchronize_after_captures
     torch.cuda.empty_cache = empty_cache_after_captures
-
-
-def original_synchronize() -> Callable:
-    """``torch.cuda.synchronize`` as torch defines it (for the package's own calls under the lock)."""
-    return _ORIGINALS.get("synchronize", torch.cuda.synchronize)

@@ -166,13 +166,14 @@ class CompiledGraph:
             self.warnings.flush()
         if self.code_switch.pending:  # code compiled behind (code_switch.py): all pieces at once, then capture
             self.code_switch.apply(self)
+        run = self._call if self._kernels_ran else self._first_call
         held = hold_captures()  # the captures this call asks for start once it has run (behind.py)
         try:
             if self._graphs_off:  # never graphed: nothing shared with other callers
-                out = self._call(args) if self._kernels_ran else self._first_call(args)
+                out = run(args)
             else:
                 with self._guard:  # one graphed call at a time per device, in stream order (call_guard.py)
-                    out = self._call(args) if self._kernels_ran else self._first_call(args)
+                    out = run(args)
         except BaseException:
             release_captures(held, ran=False)
             raise

@@ -53,7 +53,7 @@ def synchronize(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         with call_guard(device).capture_lock:
-            _torch_internals.original_synchronize()(device)
+            torch.cuda.synchronize(device)
 
 
 def device_index(device: torch.device) -> int:

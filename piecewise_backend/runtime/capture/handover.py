@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import time
 import weakref
 
@@ -41,7 +42,9 @@ def submit(graph, mode: GraphMode, key: tuple, template: list, values: dict, how
     stream = None
     if graph.device.type == "cuda":
         stream = torch.cuda.current_stream(graph.device)
-        _torch_internals.guard_device_syncs(_capture_lock_of, _cuda_devices)  # (once per process)
+        _torch_internals.guard_device_syncs(
+            _capture_lock_of, functools.partial(guarded_devices, "cuda")
+        )  # (once per process)
     job = BehindJob(
         weakref.ref(graph), mode, key, weight_set, weight_set.generation, template, values, how, stream=stream
     )
@@ -57,10 +60,6 @@ def submit_for(graph, mode: GraphMode, key: tuple, args: tuple) -> bool:
 
 def _capture_lock_of(index: int):
     return call_guard(torch.device("cuda", index)).capture_lock
-
-
-def _cuda_devices() -> list[int]:
-    return guarded_devices("cuda")
 
 
 def busy(graph) -> bool:
