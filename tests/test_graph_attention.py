@@ -106,6 +106,48 @@ def test_each_cuda_kernel_is_attention_over_the_prefix(kernel, buffer_len, lengt
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_first_launch_compiles_every_block_size_a_later_batch_picks(masked):
+    """A batch size picks its block by its (row, head) pairs: its first step must not compile a
+    Triton binary (on the request path, or in a capture behind the calls where that fails)."""
+    from piecewise_backend.ops import kernel as decode_kernel
+
+    if not decode_kernel.available():
+        pytest.skip("Triton is not installed")
+
+    def binaries():
+        caches = [
+            getattr(k, "device_caches", None) for k in (decode_kernel._partial_kernel, decode_kernel._merge_kernel)
+        ]
+        if None in caches:
+            pytest.skip("this Triton keeps its compiled kernels elsewhere")
+        return sum(len(entry[0]) for cache in caches for entry in cache.values())
+
+    dim = 40 + masked * 8  # head dims no other test uses: this test's binaries are new to the process
+    q, k_cache, v_cache = _attention_case("cuda", 300, batch=20, heads=16, dim=dim, dtype=torch.bfloat16)
+    mask = (torch.rand(20, 1, 1, 300, device="cuda") > 0.2) if masked else None
+    length = torch.tensor([250], device="cuda")
+    blocks = {decode_kernel.block_size(16 * batch, dim) for batch in (1, 3, 20)}
+    assert len(blocks) == 3, blocks
+    before = binaries()
+    for batch in (1, 3, 20):  # 16, 48 and 320 (row, head) pairs: blocks of 16, 64, 128 keys
+        got = decode_kernel.prefix_attention(
+            q[:batch], k_cache[:batch], v_cache[:batch], length, None, None if mask is None else mask[:batch]
+        )
+        want = F.scaled_dot_product_attention(
+            q[:batch],
+            k_cache[:batch, :, :250],
+            v_cache[:batch, :, :250],
+            attn_mask=None if mask is None else mask[:batch, ..., :250],
+        )
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+        if batch == 1:
+            after_first = binaries()
+    assert after_first - before == 2 * len(blocks)  # a partial and a merge binary per block size
+    assert binaries() == after_first  # the later batch sizes compiled nothing
+
+
 INTERPRETED_CHECK = """
 import torch, torch.nn.functional as F
 from piecewise_backend.ops import kernel as decode_kernel

@@ -20,6 +20,7 @@ warps through shared memory (the block sizes measured: ``benchmarks/README.md``,
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -39,10 +40,17 @@ def available() -> bool:
     return triton is not None
 
 
+def unspecialised(*names: str) -> dict:
+    """``triton.jit`` options that keep Triton from specialising on these integer arguments'
+    values (1, divisible by 16), where this Triton has them (3.x)."""
+    params = inspect.signature(triton.jit).parameters
+    return {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
+
+
 if triton is not None:
     # A Triton kernel reads as its math: kept as written.
     # fmt: off
-    @triton.jit
+    @triton.jit(**unspecialised("stride_mb"))  # a row mask broadcast at one row (0) or not: one binary
     def _partial_kernel(q_ptr, k_ptr, v_ptr, length_ptr, out_ptr, lse_ptr, mask_ptr,
                         stride_qb, stride_qh, stride_kb, stride_kh, stride_kl, stride_vb, stride_vh, stride_vl,
                         stride_mb, stride_mh, stride_ml, heads, group, chunk, splits, scale,
@@ -145,7 +153,10 @@ def triton_block_d(head_dim: int) -> int:
 def plan_splits(row_heads: int, buffer_len: int, head_dim: int = 64) -> tuple[int, int, int]:
     """(block, splits, chunk): chunks of one block, or of whole blocks for buffers longer than
     ``MAX_SPLITS`` blocks; ``splits * chunk >= buffer_len``."""
-    block = block_size(row_heads, head_dim)
+    return _tiling(block_size(row_heads, head_dim), buffer_len)
+
+
+def _tiling(block: int, buffer_len: int) -> tuple[int, int, int]:
     most = max(1, math.ceil(buffer_len / block))
     chunk = math.ceil(most / MAX_SPLITS) * block
     return block, math.ceil(buffer_len / chunk), chunk
@@ -170,7 +181,28 @@ def prefix_attention(
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("prefix_attention: keys and values need a contiguous last (head) dim")
     block, splits, chunk = plan_splits(batch * heads, buffer_len, dim)
-    return launch(q, keys, values, length, scale, mask, block, splits, chunk)
+    out = launch(q, keys, values, length, scale, mask, block, splits, chunk)
+    _prime(q, keys, values, length, scale, mask, block)
+    return out
+
+
+_PRIMED: set = set()  # (device, dtypes, shapes and strides the binaries depend on): every block size compiled
+
+
+def _prime(q, keys, values, length, scale, mask, used_block: int) -> None:
+    """Launch, on the first row and into scratch outputs, the block sizes this call did not use:
+    a later batch size picks its block by its (row, head) pairs (:func:`block_size`), and its
+    first step (a request's, or a capture behind the calls) would otherwise compile Triton's
+    binary for it. Once per model and device, and never inside a capture."""
+    dim = q.shape[-1]
+    key = (q.device, q.dtype, keys.dtype, q.shape[1:], keys.shape[1:], keys.stride(), q.stride()[1:])
+    key += (None,) if mask is None else (mask.dtype, mask.shape[1:], mask.stride()[1:])
+    if not q.is_cuda or key in _PRIMED or torch.cuda.is_current_stream_capturing():  # (not Triton's interpreter)
+        return
+    _PRIMED.add(key)
+    for block in sorted({block_size(pairs, dim) for pairs in (1, 33, 257)} - {used_block}):
+        one_row_mask = None if mask is None else mask[:1]
+        launch(q[:1], keys[:1], values[:1], length, scale, one_row_mask, *_tiling(block, keys.shape[2]))
 
 
 def launch(

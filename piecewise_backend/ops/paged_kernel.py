@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import math
 import os
 
 import torch
 
-from .kernel import triton, triton_block_d
+from .kernel import triton, triton_block_d, unspecialised
 from .kernel_bundle import note
 
 LOG2E = 1.4426950408889634
@@ -95,12 +94,6 @@ def _multiprocessors(device: torch.device) -> int:
 if triton is not None:
     import triton.language as tl
 
-    def _unspecialised(*names: str) -> dict:
-        """``triton.jit`` options that keep Triton from specialising on these integer arguments'
-        values (1, divisible by 16), where this Triton has them (3.x)."""
-        params = inspect.signature(triton.jit).parameters
-        return {k: list(names) for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in params}
-
     # A Triton kernel reads as its math: kept as written.
     # fmt: off
     @triton.jit
@@ -126,7 +119,7 @@ if triton is not None:
         l = l * rescale + tl.sum(weights, axis=1)
         return new_m, l, acc
 
-    @triton.jit(**_unspecialised("splits"))
+    @triton.jit(**unspecialised("splits"))
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, lse_ptr,
                              stride_qn, stride_qh, stride_on, stride_oh, stride_kp, stride_ks, stride_kh,
                              stride_vp, stride_vs, stride_vh, stride_tn, kv_heads, group, head_blocks, splits,
@@ -175,7 +168,7 @@ if triton is not None:
             tl.store(part_ptr + slot[:, None] * HEAD_DIM + d[None, :], out, mask=hd_ok)
             tl.store(lse_ptr + slot, m + tl.log2(l), mask=g_ok)
 
-    @triton.jit(**_unspecialised("heads", "splits"))
+    @triton.jit(**unspecialised("heads", "splits"))
     def _merge_kernel(part_ptr, lse_ptr, out_ptr, lens_ptr, stride_on, stride_oh, heads, splits,
                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
                       S_TILES: tl.constexpr):
@@ -329,7 +322,7 @@ def _prime(q, k_cache, v_cache, block_tables, seq_lens, scale: float, launch: Pl
     first step (which may be a request's). Reads the caches and the row's metadata; writes nothing
     of the caller's. Once per model and device, and never inside a capture."""
     key = _prime_key(q, k_cache)
-    if key in _PRIMED or torch.cuda.is_current_stream_capturing():
+    if not q.is_cuda or key in _PRIMED or torch.cuda.is_current_stream_capturing():  # (not Triton's interpreter)
         return
     _PRIMED[key] = True
     other = dataclasses.replace(launch, splits=2 if launch.splits == 1 else 1)
