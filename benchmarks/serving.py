@@ -23,7 +23,11 @@ over its own floor). Where the rest of a decode step goes: ``forward_median_ms``
 forward, from the host's call to its last kernel: a graph replay in a full-graph step) and
 ``sample_median_ms`` (logits and argmax), the remainder being the engine's host work.
 
-Rows (``workload``: ``seed``, ``concurrency`` per level, ``fp32-agreement``), written as they come.
+``--profile 1,64``: before the sweep, where a step's time goes at those levels (``workload: profile``,
+:func:`profile_levels`): kernels, GPU time and copies per decode and per prefill step, the forward's
+host time per call, the decode step's costliest kernels.
+
+Rows (``workload``: ``seed``, ``profile``, ``concurrency`` per level, ``fp32-agreement``), written as they come.
 Variants, each in a child process with its own timeout:
 
 * ``eager``; ``inductor`` (``torch.compile`` default); ``reduce-overhead`` (the attention op tagged
@@ -302,7 +306,90 @@ def serve(args, variant: str) -> Iterator[dict]:
         **graph_counts(),
         "requests": len(done),
     }
+    if args.profile:
+        yield from profile_levels(args, engine, vocab)
     yield from sweep_levels(args, engine, vocab)
+
+
+def profile_levels(args, engine: toy.Engine, vocab: int) -> Iterator[dict]:
+    """``--profile 1,64``: where a step's time goes, per level (rows ``workload: profile``). Two waves of
+    that many requests under ``torch.profiler``, one that only prefills (1 new token) and one that
+    decodes ``PROFILED`` steps more: decode kernels and kernel time per step are their difference over
+    those steps (graph replays' kernels included), prefill's the first wave's per prefill step. The
+    forward's host time per call (the caller's Python, no sync: the launches, replays and the
+    backend's own work) is timed around the engine's forward. Same prompts in both waves."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tiny = args.config == "tiny"
+    prompt = 8 if tiny else PROMPT
+    for level in args.profile:
+        engine.max_num_seqs = level
+        engine.run(requests(level, prompt, PROFILED + 1, 0.0, vocab, seed=2000 + level))  # sizes captured
+        figures = {}
+        for name, output in (("prefill", 1), ("all", PROFILED + 1)):
+            timed = _HostTimed(engine.forward)
+            engine.forward, engine.steps = timed, []
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+            with profile(activities=activities) as prof:
+                engine.run(requests(level, prompt, output, 0.0, vocab, seed=3000 + level))
+                _sync(args.device)
+            engine.forward = timed.forward
+            figures[name] = (_kernels(prof), timed, len(engine.steps))
+        (pre_kernels, pre_timed, pre_steps), (all_kernels, all_timed, all_steps) = figures["prefill"], figures["all"]
+        steps = all_steps - pre_steps
+        decode = {
+            name: (n - pre_kernels.get(name, (0, 0.0))[0], ms - pre_kernels.get(name, (0, 0.0))[1])
+            for name, (n, ms) in all_kernels.items()
+        }
+        top = sorted(decode.items(), key=lambda item: -item[1][1])[:8]
+        yield {
+            "workload": "profile",
+            "in_flight": level,
+            "decode_steps": steps,
+            **{f"decode_{k}": v for k, v in _summed(decode, steps).items()},
+            "decode_forward_host_ms": _ms(statistics.median(all_timed.decode) if all_timed.decode else None),
+            "prefill_steps": pre_steps,
+            **{f"prefill_{k}": v for k, v in _summed(pre_kernels, pre_steps).items()},
+            "prefill_forward_host_ms": _ms(statistics.median(pre_timed.other) if pre_timed.other else None),
+            "decode_top_kernels": [[name[:80], round(n / steps, 2), round(ms / steps, 4)] for name, (n, ms) in top],
+        }
+
+
+PROFILED = 16  # decode steps per profiled wave
+
+
+class _HostTimed:
+    """The engine's forward, its host time per call kept apart for decode-only steps and others."""
+
+    def __init__(self, forward):
+        self.forward, self.decode, self.other = forward, [], []
+
+    def __call__(self, *args):
+        start = time.perf_counter()
+        out = self.forward(*args)
+        decode = isinstance(toy._CONTEXT.get(), toy.DecodeMetadata)
+        (self.decode if decode else self.other).append((time.perf_counter() - start) * 1e3)
+        return out
+
+
+def _kernels(prof) -> dict:
+    """Per kernel name (graph replays' kernels included; copies and fills are ``Memcpy``/``Memset``):
+    (launches, summed GPU time in ms)."""
+    totals: dict = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count, ms = totals.get(e.name, (0, 0.0))
+            totals[e.name] = (count + 1, ms + e.device_time / 1e3)
+    return totals
+
+
+def _summed(totals: dict, steps: int) -> dict:
+    copies = sum(n for name, (n, _) in totals.items() if name.startswith(("Memcpy", "Memset")))
+    return {
+        "kernels_per_step": round((sum(n for n, _ in totals.values()) - copies) / steps, 1),
+        "kernel_ms_per_step": _ms(sum(ms for _, ms in totals.values()) / steps),
+        "copies_per_step": round(copies / steps, 1),
+    }
 
 
 def sweep_levels(args, engine: toy.Engine, vocab: int) -> Iterator[dict]:
@@ -317,6 +404,7 @@ def sweep_levels(args, engine: toy.Engine, vocab: int) -> Iterator[dict]:
         engine.run(requests(level, prompt, 4, 0.0, vocab, seed=1000 + level))
         batch = requests(level, prompt, output, 0.0, vocab, seed=level)
         engine.steps.clear()
+        engine.finished.clear()  # run() returns every request finished so far: this wave's only
         engine.time_phases = args.device == "cuda"  # a few µs a step: the timed wave only
         began = time.perf_counter()
         finished = engine.run(batch)
@@ -446,6 +534,12 @@ def options(parser) -> None:
     parser.add_argument("--in-flight", type=lambda s: [int(v) for v in s.split(",")], default=[1, 8, 32, 64, 128])
     parser.add_argument("--max-num-tokens", type=int, default=2048)
     parser.add_argument("--agreement-variants", default="full-and-piecewise")
+    parser.add_argument(
+        "--profile",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[],
+        help="levels to profile (kernels and host time per step) before the sweep",
+    )
     parser.add_argument("--ramp-prompt", type=int, default=PROMPT, help="ramp: tokens of each prompt")
     parser.add_argument("--ramp-output", type=int, default=OUTPUT, help="ramp: new tokens of each request")
 
