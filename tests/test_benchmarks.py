@@ -438,15 +438,30 @@ def test_seed_workload_times_the_engine_as_vllm_bench_serve_and_sweeps_concurren
     from benchmarks import serving
 
     args = argparse.Namespace(
-        config="tiny", device="cpu", requests=4, rate=0.0, in_flight=[1, 3], max_num_tokens=32, agreement_variants=""
+        config="tiny",
+        device="cpu",
+        requests=4,
+        rate=0.0,
+        in_flight=[1, 3],
+        max_num_tokens=32,
+        agreement_variants="",
+        profile=[3],
     )
     with piecewise_backend.emulated_graphs():
         torch._dynamo.reset()
-        row, *sweep = serving.serve(args, "full-and-piecewise")
+        row, profiled, *sweep = serving.serve(args, "full-and-piecewise")
     for name in ("ttft", "tpot", "itl"):
         assert row[f"{name}_median_ms"] > 0 and row[f"{name}_p99_ms"] >= row[f"{name}_median_ms"], row
     assert row["full_replays"] > 0 and row["piecewise_replays"] > 0 and row["full_fallbacks"] == 0, row
     assert row["out_tok_s"] > 0 and row["requests"] == 4 and row["inductor_cache"] in ("cold", "warm", "mixed")
+    # the profile: decode steps are the second wave's extra steps (3 rows each), the host time per forward
+    assert profiled["workload"] == "profile" and profiled["decode_steps"] == serving.PROFILED, profiled
+    assert profiled["prefill_steps"] >= 1 and profiled["decode_forward_host_ms"] > 0, profiled
+    assert serving._summed({"Memcpy DtoD": (4, 1.0), "gemv": (6, 2.0)}, 2) == {
+        "kernels_per_step": 3.0,
+        "kernel_ms_per_step": 1.5,
+        "copies_per_step": 2.0,
+    }
     assert [(r["in_flight"], r["out_tok_s"] > 0) for r in sweep] == [(1, True), (3, True)]
     assert [r["decode_batch_median"] for r in sweep][0] == 1 and all(r["decode_step_median_ms"] > 0 for r in sweep)
     assert all(r["decode_steps"] > 0 and "floor_ms" not in r for r in sweep)  # no floor without a GPU's bandwidth
