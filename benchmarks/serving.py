@@ -38,6 +38,8 @@ Variants, each in a child process with its own timeout:
   decode kernel, eager between the pieces): what the kernel gives without full graphs;
 * ``full-and-piecewise``: the engine's default: decode-only steps under ``cudagraph_mode("full")``
   (one graph per batch size, captured lazily), other steps piecewise;
+* ``full-and-piecewise-direct``: the same through ``piecewise_backend.direct`` (a call whose signature
+  was seen skips Dynamo's guards and argument fetch);
 * ``full-and-piecewise-all``: the same with every size captured up front (``eager_capture_sizes="all"``
   and a dummy decode step per decode size: vLLM's way).
 
@@ -72,6 +74,7 @@ VARIANTS = (
     "full-and-piecewise",
     "full-and-piecewise-inline",
     "full-and-piecewise-all",
+    "full-and-piecewise-direct",
     "piecewise-paged",
     "eager",
     "inductor",
@@ -127,6 +130,10 @@ def compiled(model, variant: str):
     if variant == "full-and-piecewise-all":
         options["eager_capture_sizes"] = "all"
     forward = torch.compile(model, backend="piecewise", options=options)
+    if variant == "full-and-piecewise-direct":  # a signature seen once skips Dynamo's guards afterwards
+        import piecewise_backend
+
+        return piecewise_backend.direct(forward)
     if variant == "piecewise-paged":  # the engine's decode path, but never a full graph
         import piecewise_backend
 
@@ -304,6 +311,7 @@ def serve(args, variant: str) -> Iterator[dict]:
         "startup_s": round(startup, 2),
         "inductor_cache": cache,
         **graph_counts(),
+        **({"skipped_dynamo": engine.forward.skipped_dynamo} if hasattr(engine.forward, "skipped_dynamo") else {}),
         "requests": len(done),
     }
     if args.profile:

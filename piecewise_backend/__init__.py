@@ -30,6 +30,7 @@ from .registry import (
 )
 from .runtime.compiled_graph import CompiledGraph
 from .runtime.devices import pool_bytes
+from .runtime.direct_calls import DirectCalls, direct
 from .runtime.graph_mode import cudagraph_mode
 from .runtime.memory_estimate import GraphMemoryEstimate
 from .runtime.stats import CaptureEvent, GraphStats, PieceStats
@@ -40,6 +41,8 @@ __all__ = [
     "piecewise",
     "PiecewiseConfig",
     "CompiledGraph",
+    "direct",
+    "DirectCalls",
     "compiled_graphs",
     "capture",
     "wait_for_captures",
