@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("piecewise_direct_recording", default=None)
-MAX_SIGNATURES = 256  # per wrapped callable: prefill token counts are many; the least recently used go
+MAX_SIGNATURES = 256  # per wrapped callable: prefill token counts are many; the oldest recorded go
 
 
 def recording() -> list | None:
@@ -159,7 +159,7 @@ def direct(compiled) -> DirectCalls:
 
 def _signature(flat: list, kwarg_names: tuple) -> tuple:
     parts: list = [kwarg_names, torch.is_grad_enabled(), torch.is_inference_mode_enabled()]
-    parts.append(torch.is_autocast_enabled("cuda") if torch.cuda.is_available() else False)
+    parts.append(torch.is_autocast_enabled("cuda"))
     parts.append(torch.is_autocast_enabled("cpu"))
     for value in flat:
         if isinstance(value, torch.Tensor):
