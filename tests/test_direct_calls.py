@@ -122,3 +122,46 @@ def test_direct_refuses_what_is_not_callable_and_wraps_once():
     forward = _direct(Mlp())
     assert piecewise_backend.direct(forward) is forward
     assert isinstance(forward.up, nn.Linear)  # the module's attributes, through the wrapper
+
+
+def test_a_compiled_method_with_keyword_arguments_is_served_and_any_registration_counts():
+    """``torch.compile(model.forward)`` names no module to watch: a registration on any module sends
+    its signatures back through Dynamo (conservative: the compiled code may read any module)."""
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    torch._dynamo.reset()
+    forward = piecewise_backend.direct(torch.compile(model.forward, backend="piecewise", options=EAGER_PIECES))
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        for _ in range(2):
+            torch.testing.assert_close(forward(x=x), model(x))
+        assert (forward.through_dynamo, forward.skipped_dynamo) == (1, 1)
+        Mlp()  # registrations elsewhere
+        torch.testing.assert_close(forward(x=x), model(x))
+        assert forward.through_dynamo == 2
+
+
+def test_threads_calling_at_once_each_get_their_own_rows():
+    import threading
+
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    forward = _direct(model)
+    inputs = {rows: torch.randn(rows, 16) for rows in (2, 3, 5)}
+    with torch.inference_mode():
+        expected = {rows: model(x) for rows, x in inputs.items()}
+    failures = []
+
+    def serve(rows):
+        with torch.inference_mode():
+            for _ in range(20):
+                got = forward(inputs[rows])
+                if not torch.allclose(got, expected[rows], atol=1e-5):
+                    failures.append(rows)
+
+    threads = [threading.Thread(target=serve, args=(rows,)) for rows in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures and forward.skipped_dynamo > 0, (failures, forward.skipped_dynamo)
