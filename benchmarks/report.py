@@ -120,6 +120,15 @@ def _stamp(rows: list[dict]) -> str:
     return f"{gpu_slug(r['gpu']).upper()}, torch {r['torch']}, code hash `{r['code_hash'][:8]}…`"
 
 
+# beside the backend's seed numbers: the hand-captured peer (the bar), and piecewise graphs alone
+SEED_BESIDE = ("hand-captured", "piecewise")
+
+
+def _tpot_ttft(figures: dict) -> str:
+    ttft = figures.get("ttft_median_ms")
+    return f"{figures['tpot_median_ms']:.2f}" + (f"/{ttft:.1f}" if ttft is not None else "")
+
+
 def headline(suite: str, rows: list[dict]) -> str:
     """One line of what the suite's current rows say."""
     f = {(r["variant"], *(r["figures"].get(k) for k in ("workload", "in_flight", "B", "context"))): r["figures"]
@@ -130,12 +139,12 @@ def headline(suite: str, rows: list[dict]) -> str:
             return f"B=64, 1,000 keys: {k['paged_us']:.1f} µs; flash SDPA {k['sdpa_us']:.1f}, byte floor {k['floor_us']:.1f}"
     if suite == "serving":
         seed = f.get(("full-and-piecewise", "seed", None, None, None))
-        others = [(v, f.get((v, "seed", None, None, None))) for v in ("piecewise", "full-and-piecewise-inline")]
+        others = [(v, f.get((v, "seed", None, None, None))) for v in SEED_BESIDE]
         at64 = f.get(("full-and-piecewise", "concurrency", 64, None, None))
         parts = []
-        if seed:
-            beside = ", ".join(f"{v} {o['tpot_median_ms']:.2f}" for v, o in others if o and "tpot_median_ms" in o)
-            parts.append(f"seed TPOT {seed['tpot_median_ms']:.2f} ms" + (f" ({beside})" if beside else ""))
+        if seed and "tpot_median_ms" in seed:
+            beside = ", ".join(f"{v} {_tpot_ttft(o)}" for v, o in others if o and "tpot_median_ms" in o)
+            parts.append(f"seed TPOT/TTFT {_tpot_ttft(seed)} ms" + (f" ({beside})" if beside else ""))
         if at64 and at64.get("vs_floor"):
             parts.append(f"64 in flight: {at64['out_tok_s']:,.0f} tok/s, step {at64['vs_floor']:.2f}× its byte floor")
         ramp = f.get(("ramp-128-declared", "ramp", 128, None, None))

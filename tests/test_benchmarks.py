@@ -685,6 +685,15 @@ def test_report_writes_each_block_from_the_results_and_check_catches_a_hand_edit
     assert "| startup | H100 | `h1` | eager 10.0 s" in report.numbers_table(files)
 
 
+def test_the_serving_headline_puts_the_hand_captured_peer_beside_the_backend():
+    rows = [
+        _row("serving", "full-and-piecewise", "h1", workload="seed", tpot_median_ms=2.5, ttft_median_ms=22.5),
+        _row("serving", "hand-captured", "h1", workload="seed", tpot_median_ms=2.25, ttft_median_ms=15.4),
+        _row("serving", "piecewise", "h1", workload="seed", tpot_median_ms=4.9),
+    ]
+    assert report.headline("serving", rows) == "seed TPOT/TTFT 2.50/22.5 ms (hand-captured 2.25/15.4, piecewise 4.90)"
+
+
 def test_the_readme_takes_a_suite_from_the_gpu_that_recorded_that_suite_last():
     """H100 measured ``startup`` last; H200 recorded another suite later: the README's start-up line
     stays H100's, and each suite's tables list its GPUs in the order they recorded it."""
