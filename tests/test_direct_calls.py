@@ -165,3 +165,20 @@ def test_threads_calling_at_once_each_get_their_own_rows():
     for t in threads:
         t.join()
     assert not failures and forward.skipped_dynamo > 0, (failures, forward.skipped_dynamo)
+
+
+def test_a_copy_records_afresh():
+    import copy
+
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    forward = _direct(model)
+    x = torch.randn(4, 16)
+    with torch.inference_mode():
+        forward(x)
+        twin = copy.copy(forward)
+        assert twin.compiled is forward.compiled and twin.through_dynamo == 0
+        model.up.weight = nn.Parameter(torch.randn_like(model.up.weight))
+        torch.testing.assert_close(twin(x), model(x))
+        torch.testing.assert_close(twin(x), model(x))
+        assert (twin.through_dynamo, twin.skipped_dynamo) == (1, 1)

@@ -25,6 +25,7 @@ whose tensors the graph did not take as they were, stays on Dynamo's path, and
 from __future__ import annotations
 
 import contextvars
+import copy
 import threading
 import weakref
 from collections import OrderedDict
@@ -106,7 +107,15 @@ class DirectCalls:
         _Registrations.watch(self)
 
     def __getattr__(self, name: str) -> Any:  # the wrapped module's attributes, as torch.compile's wrapper gives them
+        if "compiled" not in self.__dict__:  # (copy and pickle ask before __init__ ran)
+            raise AttributeError(name)
         return getattr(self.__dict__["compiled"], name)
+
+    def __copy__(self) -> DirectCalls:  # a copy records afresh (and is told of registrations)
+        return DirectCalls(self.compiled)
+
+    def __deepcopy__(self, memo) -> DirectCalls:
+        return DirectCalls(copy.deepcopy(self.compiled, memo))
 
     def registered(self, module, value) -> None:
         """A parameter, buffer or submodule was registered on ``module``."""
