@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import piecewise_backend
 from piecewise_backend.ops.prefix_attention import prefix_attention
 from piecewise_backend.runtime.step_scalars import StepScalars
 from toys.models import ToyConfig, ToyLlama
@@ -348,6 +349,7 @@ def _decode_beside_eager(model, device, first: int):
             x = torch.randn(batch, 1, 16, device=device)
             torch._dynamo.maybe_mark_dynamic(x, 0)
             torch.testing.assert_close(compiled(x, t), reference(x, t), atol=1e-5, rtol=1e-5)
+            piecewise_backend.wait_for_captures()  # (captured behind the call: in before the next, on a busy host too)
     return reference
 
 
