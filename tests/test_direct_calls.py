@@ -31,6 +31,13 @@ def _direct(model, options=EAGER_PIECES):
     return piecewise_backend.direct(torch.compile(model, backend="piecewise", options=options))
 
 
+def _mlp_through_direct():
+    """A seeded MLP, its direct() wrapper and an input of 4 rows."""
+    torch.manual_seed(0)
+    model = Mlp().eval()
+    return model, _direct(model), torch.randn(4, 16)
+
+
 def test_the_engine_serves_the_eager_engines_tokens_with_dynamo_skipped_after_each_first_signature():
     torch.manual_seed(0)
     model = EngineModel(dataclasses.replace(TINY, layers=2)).init_weights_().eval()
@@ -49,10 +56,7 @@ def test_the_engine_serves_the_eager_engines_tokens_with_dynamo_skipped_after_ea
 
 
 def test_a_parameter_assigned_anew_sends_the_next_call_through_dynamo():
-    torch.manual_seed(0)
-    model = Mlp().eval()
-    forward = _direct(model)
-    x = torch.randn(4, 16)
+    model, forward, x = _mlp_through_direct()
     with torch.inference_mode():
         forward(x)
         torch.testing.assert_close(forward(x), model(x))
@@ -170,10 +174,7 @@ def test_threads_calling_at_once_each_get_their_own_rows():
 def test_a_copy_records_afresh():
     import copy
 
-    torch.manual_seed(0)
-    model = Mlp().eval()
-    forward = _direct(model)
-    x = torch.randn(4, 16)
+    model, forward, x = _mlp_through_direct()
     with torch.inference_mode():
         forward(x)
         twin = copy.copy(forward)

@@ -136,13 +136,14 @@ if triton is not None:
 
 
 TILE = 128 * 64  # keys x head dims one warp holds at most: the best measured (block 128, head dim 64)
+FEW_PAIRS, MANY_PAIRS = 32, 256  # (row, head) pairs up to which blocks of 16, then of 64 keys; past it 128
 
 
 def block_size(row_heads: int, head_dim: int = 64) -> int:
     """Keys per block for ``row_heads`` (row, head) pairs: small blocks (more programs) when there
     are few pairs, large ones (fewer, longer programs) when there are many (see the table above),
     no larger than one warp's ``TILE`` (a head dim of 128 halves the largest: registers)."""
-    block = 16 if row_heads <= 32 else 64 if row_heads <= 256 else 128
+    block = 16 if row_heads <= FEW_PAIRS else 64 if row_heads <= MANY_PAIRS else 128
     return max(16, min(block, TILE // triton_block_d(head_dim)))
 
 
@@ -200,7 +201,7 @@ def _prime(q, keys, values, length, scale, mask, used_block: int) -> None:
     if not q.is_cuda or key in _PRIMED or torch.cuda.is_current_stream_capturing():  # (not Triton's interpreter)
         return
     _PRIMED.add(key)
-    for block in sorted({block_size(pairs, dim) for pairs in (1, 33, 257)} - {used_block}):
+    for block in sorted({block_size(pairs, dim) for pairs in (1, FEW_PAIRS + 1, MANY_PAIRS + 1)} - {used_block}):
         one_row_mask = None if mask is None else mask[:1]
         launch(q[:1], keys[:1], values[:1], length, scale, one_row_mask, *_tiling(block, keys.shape[2]))
 

@@ -12,7 +12,7 @@ captures made inline or by the capture thread behind the calls (its package is i
 graph's cheap forward; ``devices`` holds each GPU's graph pool and capture stream and keeps
 captures from disturbing other threads; ``distributed`` makes ranks decide together; ``emulation``
 stands in for CUDA graphs on CPU (tests); ``stats`` keeps the counters, ``compile_clock`` the
-seconds callers spent compiling; ``direct_calls`` lets a caller skip Dynamo for signatures it has seen; ``symbolic`` evaluates the plan's symbolic shapes at a call's
-sizes. Of compile time this package imports the plan's types alone (``tests/test_package_structure.py``
-keeps it so).
+seconds callers spent compiling; ``direct_calls`` lets a caller skip Dynamo for signatures it has
+seen; ``symbolic`` evaluates the plan's symbolic shapes at a call's sizes. Of compile time this
+package imports the plan's types alone (``tests/test_package_structure.py`` keeps it so).
 """

@@ -176,7 +176,7 @@ def _signature(flat: list, kwarg_names: tuple) -> tuple:
         elif isinstance(value, (int, float, bool, str, type(None))):
             parts.append((type(value), value))
         else:
-            parts.append((type(value), id(value)))  # an object: only itself (its contents are not looked at)
+            parts.append((type(value),))  # an object: refused whichever it is (_route_of), so its type will do
     return tuple(parts)
 
 
